@@ -1,0 +1,59 @@
+"""nemo_safe: multi-process training jobs safe from start-up filesystem races.
+
+``import nemo_safe`` enables the library patches (lazily: a patched module is
+changed when it is imported, whatever the order) unless ``NEMO_SAFE_DISABLE=1``.
+It imports nothing heavy itself: no torch, lightning, nemo or torchvision.
+
+Public API::
+
+    nemo_safe.rank_zero_first(directory, world_size, name)   # context manager
+    nemo_safe.Barrier                                        # the barrier itself
+    nemo_safe.detect_identity()                              # rank, world size, attempt key
+    nemo_safe.patch() / nemo_safe.unpatch()                  # (re)apply / undo the patches
+"""
+
+from __future__ import annotations
+
+from nemo_safe import patching
+from nemo_safe.barrier import Barrier, rank_zero_first
+from nemo_safe.cluster_identity import ClusterIdentity
+from nemo_safe.cluster_identity import detect as detect_identity
+from nemo_safe.errors import (
+    BarrierTimeout,
+    ConfigurationError,
+    NemoSafeError,
+    RankZeroFailed,
+    UnsafeBarrierPath,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Barrier",
+    "BarrierTimeout",
+    "ClusterIdentity",
+    "ConfigurationError",
+    "NemoSafeError",
+    "RankZeroFailed",
+    "UnsafeBarrierPath",
+    "__version__",
+    "detect_identity",
+    "patch",
+    "rank_zero_first",
+    "unpatch",
+]
+
+
+def patch() -> bool:
+    """Apply every registered library patch now and on later imports (idempotent).
+
+    Returns False when ``NEMO_SAFE_DISABLE`` is set."""
+    return patching.enable()
+
+
+def unpatch() -> None:
+    """Restore every patched library function and stop patching later imports."""
+    patching.disable()
+
+
+patch()

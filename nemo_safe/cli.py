@@ -1,0 +1,106 @@
+"""The ``nemo-safe`` command: ``selftest`` and ``doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from importlib import metadata
+
+from nemo_safe import __version__, cluster_identity, patching, selftest
+from nemo_safe.errors import NemoSafeError
+from nemo_safe.mounts import filesystem_type
+
+#: Distributions whose versions doctor reports (read from metadata: nothing heavy is imported).
+WATCHED_DISTRIBUTIONS = ("nemo_toolkit", "torch", "torchvision", "lightning", "pytorch-lightning")
+
+
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    ident = cluster_identity.detect()
+    if args.member or ident.is_multi_process:
+        report = selftest.run_member(args.dir or os.getcwd(), args.timeout, args.work_seconds)
+        if report is not None:
+            if args.member:
+                print(selftest.REPORT_PREFIX + json.dumps(report), flush=True)
+            else:
+                print(selftest.format_report(report), flush=True)
+        return 0
+    report = selftest.run_local(args.procs, args.dir, args.timeout, args.work_seconds)
+    report["launcher"] = f"none: {args.procs} local processes with torchrun-style variables"
+    print(selftest.format_report(report), flush=True)
+    return 0 if report["all_saw_rank0_work"] else 1
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    print(f"nemo_safe {__version__}")
+    print("libraries (installed distributions):")
+    for dist in WATCHED_DISTRIBUTIONS:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"  {dist:<20} {version}")
+    print("patches:")
+    state = "disabled by NEMO_SAFE_DISABLE" if patching.disabled_by_env() else (
+        "enabled" if patching.is_enabled() else "not enabled")
+    print(f"  patching           {state}")
+    active = set(patching.active())
+    for patch in patching.registered():
+        print(f"  {patch.name:<20} {'active' if patch.name in active else 'waiting for import of ' + patch.module}")
+    if not patching.registered():
+        print("  (no library patches in this version)")
+    print("environment:")
+    try:
+        ident = cluster_identity.detect()
+    except NemoSafeError as exc:
+        print(f"  ERROR              {exc}")
+        return 1
+    print(f"  launcher           {ident.launcher}")
+    print(f"  rank               {ident.rank} (local {ident.local_rank}, node {ident.node_rank})")
+    print(f"  world size         {ident.world_size}")
+    print(f"  attempt key        {ident.attempt_key}")
+    print(f"  cwd filesystem     {filesystem_type(os.getcwd())}")
+    for warning in ident.warnings:
+        print(f"  WARNING            {warning}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nemo-safe", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"nemo_safe {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress lines")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("selftest", help="run the barrier across local processes or the current srun/torchrun job")
+    st.add_argument("--dir", help="directory for the barrier (default: a temp dir locally, the cwd under a launcher); "
+                    "use your shared filesystem")
+    st.add_argument("--procs", type=int, default=4, help="local processes when not under a launcher (default 4)")
+    st.add_argument("--timeout", type=float, default=None, help="barrier timeout in seconds")
+    st.add_argument("--work-seconds", type=float, default=0.5, help="how long rank 0 works inside the barrier")
+    st.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
+    st.set_defaults(func=_cmd_selftest)
+    doc = sub.add_parser("doctor", help="show versions, active patches and the detected environment")
+    doc.set_defaults(func=_cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    if getattr(args, "procs", 1) < 1:
+        print("nemo-safe: --procs must be at least 1", file=sys.stderr)
+        return 2
+    if getattr(args, "dir", None) and not os.path.isdir(args.dir):
+        print(f"nemo-safe: --dir {args.dir} is not an existing directory", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except NemoSafeError as exc:
+        print(f"nemo-safe: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

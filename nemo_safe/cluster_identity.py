@@ -1,0 +1,264 @@
+"""Who am I in this job? Rank, world size and an attempt key, from launcher variables alone.
+
+One class per launcher, each with ``detect()`` (modelled on Lightning's
+``lightning/fabric/plugins/environments/``). Nothing here talks to other
+processes: every rank of one attempt computes the same ``attempt_key`` from its
+environment, and a requeued or restarted attempt gets a different one, so
+barrier files of an earlier attempt can never be mistaken for this one's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nemo_safe.errors import ConfigurationError
+
+#: Job names under which SLURM is an interactive allocation, not the launcher (as in Lightning).
+INTERACTIVE_SLURM_JOB_NAMES = ("bash", "interactive")
+
+_MAX_KEY_LEN = 120
+
+
+@dataclass(frozen=True)
+class ClusterIdentity:
+    """This process's place in the job, as the launcher describes it."""
+
+    launcher: str
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    attempt_key: str
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def is_multi_process(self) -> bool:
+        return self.world_size > 1
+
+
+def sanitize_component(raw: str, max_len: int = _MAX_KEY_LEN) -> str:
+    """Turn launcher-provided text into one safe path component.
+
+    Keeps ``[A-Za-z0-9._-]``, replaces the rest with ``_``, never starts with a
+    dot, and appends a short hash of the raw text whenever anything changed, so
+    that two hostile values cannot collapse onto the same key.
+    """
+    clean = re.sub(r"[^A-Za-z0-9._-]", "_", raw)
+    clean = re.sub(r"\.{2,}", "_", clean)
+    if clean.startswith((".", "-")) or not clean:
+        clean = "_" + clean
+    if clean != raw or len(clean) > max_len:
+        digest = hashlib.sha256(raw.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        clean = f"{clean[: max_len - 13]}-{digest}"
+    return clean
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise ConfigurationError(f"launcher variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"launcher variable {name}={value!r} is not an integer; "
+            "check the job script that exports it"
+        ) from None
+
+
+def _key(*parts: object) -> str:
+    return sanitize_component("-".join(str(p) for p in parts if p not in (None, "")))
+
+
+def _check(identity: ClusterIdentity) -> ClusterIdentity:
+    if identity.world_size < 1:
+        raise ConfigurationError(
+            f"{identity.launcher}: world size {identity.world_size} must be at least 1"
+        )
+    if not 0 <= identity.rank < identity.world_size:
+        raise ConfigurationError(
+            f"{identity.launcher}: rank {identity.rank} is outside world size "
+            f"{identity.world_size}; check the launcher variables of this process"
+        )
+    return identity
+
+
+class Launcher:
+    """Base class: ``detect()`` says whether this launcher started us, ``identity()`` reads it."""
+
+    name = "none"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
+        raise NotImplementedError
+
+
+class TorchElastic(Launcher):
+    """torchrun / torch.distributed.elastic. Wins over SLURM: under srun+torchrun,
+    SLURM_PROCID is the node index, not the rank."""
+
+    name = "torchrun"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+    @classmethod
+    def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
+        key = _key(
+            "torchrun",
+            env.get("SLURM_CLUSTER_NAME"),
+            env.get("SLURM_JOB_ID"),
+            env.get("TORCHELASTIC_RUN_ID", "none"),
+            "r" + env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}",
+        )
+        node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
+        return _check(
+            ClusterIdentity(
+                cls.name,
+                _int(env, "RANK"),
+                _int(env, "LOCAL_RANK"),
+                node_rank,
+                _int(env, "WORLD_SIZE"),
+                key,
+            )
+        )
+
+
+class Slurm(Launcher):
+    """srun tasks. An allocation named ``bash``/``interactive`` is a shell, not a launcher."""
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in INTERACTIVE_SLURM_JOB_NAMES
+
+    @classmethod
+    def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
+        if env.get("SLURM_ARRAY_JOB_ID"):
+            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '')}"
+        else:
+            job = env.get("SLURM_JOB_ID", "")
+        key = _key(
+            "slurm",
+            env.get("SLURM_CLUSTER_NAME"),
+            job,
+            "r" + env.get("SLURM_RESTART_COUNT", "0"),
+            "s" + env.get("SLURM_STEP_ID", "batch"),
+            env.get("SLURM_JOB_START_TIME"),
+        )
+        world = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS"))
+        return _check(
+            ClusterIdentity(
+                cls.name,
+                _int(env, "SLURM_PROCID", 0),
+                _int(env, "SLURM_LOCALID", 0),
+                _int(env, "SLURM_NODEID", 0),
+                world,
+                key,
+            )
+        )
+
+
+class OpenMPI(Launcher):
+    """mpirun from Open MPI."""
+
+    name = "openmpi"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env
+
+    @classmethod
+    def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
+        job = (
+            env.get("PMIX_NAMESPACE")
+            or env.get("OMPI_MCA_ess_base_jobid")
+            or env.get("OMPI_MCA_orte_ess_jobid")
+            or env.get("OMPI_MCA_orte_hnp_uri", "")
+        )
+        return _check(
+            ClusterIdentity(
+                cls.name,
+                _int(env, "OMPI_COMM_WORLD_RANK"),
+                _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+                _int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
+                _int(env, "OMPI_COMM_WORLD_SIZE"),
+                _key("openmpi", job),
+            )
+        )
+
+
+class PMIx(Launcher):
+    """A PMIx launcher (prrte, some srun --mpi=pmix set-ups without SLURM task variables)."""
+
+    name = "pmix"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return "PMIX_RANK" in env and "PMIX_NAMESPACE" in env
+
+    @classmethod
+    def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
+        size = _int(env, "PMIX_SIZE", _int(env, "WORLD_SIZE", 0))
+        if size == 0:
+            raise ConfigurationError(
+                "PMIx launcher detected (PMIX_RANK is set) but no world size: "
+                "export WORLD_SIZE in the job script or pass world_size explicitly"
+            )
+        return _check(
+            ClusterIdentity(
+                cls.name,
+                _int(env, "PMIX_RANK"),
+                _int(env, "PMIX_LOCAL_RANK", 0),
+                _int(env, "PMIX_NODE_RANK", 0),
+                size,
+                _key("pmix", env.get("PMIX_NAMESPACE")),
+            )
+        )
+
+
+class NoLauncher(Launcher):
+    """A single process (or Lightning's own local launcher before ``fit()``)."""
+
+    name = "none"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return True
+
+    @classmethod
+    def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
+        warnings: list[str] = []
+        if "SLURM_NTASKS" in env:
+            warnings.append(
+                f"SLURM job named {env.get('SLURM_JOB_NAME')!r} is treated as an interactive "
+                "shell, not as the launcher (as Lightning does); submit with -J <name> "
+                "if this is a multi-task srun step"
+            )
+        return ClusterIdentity(cls.name, 0, 0, 0, 1, _key("local", os.getpid()), tuple(warnings))
+
+
+#: Detection order: the first launcher whose ``detect()`` is true wins.
+LAUNCHERS: tuple[type[Launcher], ...] = (TorchElastic, Slurm, OpenMPI, PMIx, NoLauncher)
+
+
+def detect(env: Mapping[str, str] | None = None) -> ClusterIdentity:
+    """The identity of this process according to the first launcher that detects itself."""
+    env = os.environ if env is None else env
+    for launcher in LAUNCHERS:
+        if launcher.detect(env):
+            return launcher.identity(env)
+    raise AssertionError("NoLauncher always detects")  # pragma: no cover

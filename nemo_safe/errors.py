@@ -1,0 +1,35 @@
+"""Exceptions raised by nemo_safe.
+
+Every error says what happened, which ranks / paths were involved and what to
+do, because the user usually reads it in one of hundreds of job log files.
+"""
+
+from __future__ import annotations
+
+
+class NemoSafeError(RuntimeError):
+    """Base class of every error nemo_safe raises."""
+
+
+class ConfigurationError(NemoSafeError, ValueError):
+    """Bad input or an inconsistent launcher / trainer configuration."""
+
+
+class UnsafeBarrierPath(NemoSafeError):
+    """Something other than a plain directory sits where the barrier directory belongs."""
+
+
+class BarrierTimeout(NemoSafeError, TimeoutError):
+    """A barrier did not complete within its timeout (missing ranks, or rank 0 never finished)."""
+
+
+class RankZeroFailed(NemoSafeError):
+    """Rank 0's work inside a barrier raised; re-raised on every other rank.
+
+    ``remote_type`` and ``remote_message`` carry rank 0's exception type name and text.
+    """
+
+    def __init__(self, message: str, remote_type: str = "", remote_message: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_message = remote_message

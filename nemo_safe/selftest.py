@@ -1,0 +1,121 @@
+"""``nemo-safe selftest``: run the barrier for real and report what was detected and how fast it was.
+
+Under srun / torchrun / mpirun every task runs one member; otherwise the
+command starts N local member processes with torchrun-style variables. Users
+run it on their shared filesystem before a long job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from nemo_safe import cluster_identity
+from nemo_safe.atomic_files import publish, read_if_exists, unlink_if_exists
+from nemo_safe.barrier import rank_zero_first
+from nemo_safe.errors import NemoSafeError
+from nemo_safe.mounts import filesystem_type
+
+REPORT_PREFIX = "NEMO_SAFE_SELFTEST_REPORT "
+
+
+def run_member(directory: str, timeout: float | None, work_seconds: float) -> dict[str, Any] | None:
+    """One rank's part. Rank 0 returns the report; other ranks return None.
+
+    Rank 0 sleeps ``work_seconds`` and then writes a marker file inside the
+    barrier; every other rank must see that marker once released, which proves
+    the barrier waited for rank 0's work.
+    """
+    ident = cluster_identity.detect()
+    world, rank = ident.world_size, ident.rank
+    tag = f".nemo_safe_selftest.{ident.attempt_key}"
+    marker = os.path.join(directory, f"{tag}.marker")
+    entered = time.time()
+    work_done = 0.0
+    saw_marker = True
+    with rank_zero_first(directory, world, "selftest", timeout=timeout):
+        if rank == 0:
+            time.sleep(work_seconds)
+            publish(directory, os.path.basename(marker), b"rank 0 finished its work\n")
+            work_done = time.time()
+        else:
+            saw_marker = read_if_exists(marker) == b"rank 0 finished its work\n"
+    released = time.time()
+    mine = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "entered": entered, "released": released, "saw_marker": saw_marker}
+    result_name = f"{tag}.rank{rank}.json"
+    publish(directory, result_name, json.dumps(mine).encode())
+    report: dict[str, Any] | None = None
+    try:
+        with rank_zero_first(directory, world, "selftest-report", timeout=timeout):
+            if rank == 0:
+                results = []
+                for r in range(world):
+                    raw = read_if_exists(os.path.join(directory, f"{tag}.rank{r}.json"))
+                    if raw is None:
+                        raise NemoSafeError(f"selftest: rank {r} released but left no result")
+                    results.append(json.loads(raw))
+                report = {
+                    "launcher": ident.launcher, "world_size": world, "attempt_key": ident.attempt_key,
+                    "directory": os.path.abspath(directory),
+                    "filesystem": filesystem_type(directory),
+                    "hosts": sorted({r["host"] for r in results}),
+                    "all_saw_rank0_work": all(r["saw_marker"] for r in results),
+                    "release_latency_s": max(r["released"] for r in results) - work_done,
+                    "warnings": list(ident.warnings),
+                }
+    finally:
+        unlink_if_exists(os.path.join(directory, result_name))
+        if rank == 0:
+            unlink_if_exists(marker)
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        "nemo-safe selftest",
+        f"  launcher          {report['launcher']}",
+        f"  world size        {report['world_size']}",
+        f"  hosts             {', '.join(report['hosts'])}",
+        f"  attempt key       {report['attempt_key']}",
+        f"  directory         {report['directory']} ({report['filesystem']})",
+        f"  ordering          {'OK: every rank saw rank 0 finish first' if report['all_saw_rank0_work'] else 'FAILED: a rank was released before rank 0 finished'}",
+        f"  release latency   {report['release_latency_s'] * 1000:.1f} ms (rank 0 done -> last rank released)",
+    ]
+    lines += [f"  warning           {w}" for w in report.get("warnings", [])]
+    return "\n".join(lines)
+
+
+def run_local(procs: int, directory: str | None, timeout: float | None, work_seconds: float) -> dict[str, Any]:
+    """Start ``procs`` local members with torchrun-style variables and return rank 0's report."""
+    with tempfile.TemporaryDirectory(prefix="nemo_safe_selftest_") as tmp:
+        target = directory or tmp
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
+        env.update(WORLD_SIZE=str(procs), TORCHELASTIC_RUN_ID=f"selftest-{secrets.token_hex(6)}",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="0", GROUP_RANK="0")
+        args = [sys.executable, "-m", "nemo_safe.cli", "selftest", "--dir", target,
+                "--work-seconds", str(work_seconds), "--member"]
+        if timeout is not None:
+            args += ["--timeout", str(timeout)]
+        children = [
+            subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(procs)
+        ]
+        outputs = [c.communicate() for c in children]
+        failed = [(r, err) for r, (c, (_, err)) in enumerate(zip(children, outputs)) if c.returncode]
+        if failed:
+            detail = "\n".join(f"rank {r}: {err.strip().splitlines()[-1] if err.strip() else 'no output'}"
+                               for r, err in failed)
+            raise NemoSafeError(f"selftest: {len(failed)} of {procs} local ranks failed:\n{detail}")
+        for line in outputs[0][0].splitlines():
+            if line.startswith(REPORT_PREFIX):
+                return json.loads(line[len(REPORT_PREFIX):])
+        raise NemoSafeError("selftest: rank 0 printed no report")

@@ -1,0 +1,82 @@
+"""One rank of a barrier test: run as a real process by the tests (locally, under srun, on FUSE).
+
+Rank 0 optionally sleeps, then works inside the barrier (sleeps ``--work-seconds``
+and writes a marker file); every other rank records whether it saw the marker
+when released. Prints one JSON line and exits 0 (ok), 3 (nemo_safe error) or 4.
+Fault switches let the tests make rank 0 raise or hang, and ``--no-barrier``
+runs the same scenario without the barrier (the twin that must fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from nemo_safe import NemoSafeError, detect_identity, rank_zero_first
+from nemo_safe.atomic_files import publish, read_if_exists
+
+MARKER_TEXT = b"rank 0 finished its work\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", required=True)
+    p.add_argument("--dir-for-odd-ranks", help="another view (mount) of --dir for odd ranks")
+    p.add_argument("--name", default="test")
+    p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--world", type=int)
+    p.add_argument("--work-seconds", type=float, default=1.0)
+    p.add_argument("--rank0-delay", type=float, default=0.0, help="start skew: rank 0 enters late")
+    p.add_argument("--rank0-fault", choices=["none", "raise", "hang"], default="none")
+    p.add_argument("--ready-dir", help="each rank touches ready.<rank> here before entering")
+    p.add_argument("--hold-rank", type=int, help="this rank sleeps forever before entering")
+    p.add_argument("--no-barrier", action="store_true")
+    args = p.parse_args()
+
+    ident = detect_identity()
+    rank = ident.rank
+    world = args.world or ident.world_size
+    directory = args.dir_for_odd_ranks if (args.dir_for_odd_ranks and rank % 2) else args.dir
+    marker = os.path.join(directory, "marker")
+    result = {"rank": rank, "world": world, "launcher": ident.launcher, "key": ident.attempt_key,
+              "pid": os.getpid(), "saw_marker": None, "status": "ok"}
+    if args.ready_dir:
+        publish(args.ready_dir, f"ready.{rank}", str(os.getpid()).encode())
+    if args.hold_rank == rank:
+        time.sleep(3600)
+    if rank == 0:
+        time.sleep(args.rank0_delay)
+    code = 0
+    started = time.monotonic()
+    try:
+        ctx = rank_zero_first(directory, world, args.name, timeout=args.timeout)
+        if args.no_barrier:
+            from contextlib import nullcontext
+
+            ctx = nullcontext()
+        with ctx:
+            if rank == 0:
+                if args.rank0_fault == "hang":
+                    time.sleep(3600)
+                time.sleep(args.work_seconds)
+                if args.rank0_fault == "raise":
+                    raise PermissionError(13, "Permission denied", marker)
+                publish(directory, "marker", MARKER_TEXT)
+            else:
+                result["saw_marker"] = read_if_exists(marker) == MARKER_TEXT
+    except NemoSafeError as exc:
+        result.update(status="error", error_type=type(exc).__name__, error=str(exc))
+        code = 3
+    except Exception as exc:  # rank 0's own exception
+        result.update(status="error", error_type=type(exc).__name__, error=str(exc))
+        code = 4
+    result["seconds"] = time.monotonic() - started
+    print(json.dumps(result), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

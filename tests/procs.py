@@ -1,0 +1,89 @@
+"""Start real rank processes for the tests and collect their JSON results, with hang guards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "barrier_worker.py")
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher variables (the test runner may itself run under one)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def torchrun_env(rank: int, world: int, run_id: str) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def slurm_env(rank: int, world: int, job_id: str, restart: int = 0) -> dict[str, str]:
+    return {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+            "SLURM_NTASKS": str(world), "SLURM_STEP_NUM_TASKS": str(world), "SLURM_JOB_ID": job_id,
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_CLUSTER_NAME": "testcluster",
+            "SLURM_RESTART_COUNT": str(restart)}
+
+
+@dataclass
+class Ranks:
+    procs: dict[int, subprocess.Popen]
+    results: dict[int, dict] = field(default_factory=dict)
+    codes: dict[int, int] = field(default_factory=dict)
+    stderr: dict[int, str] = field(default_factory=dict)
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].send_signal(signal.SIGKILL)
+
+    def finish(self, hang_guard: float) -> Ranks:
+        """Wait for every rank; a rank still running after ``hang_guard`` s is a hang and fails the test."""
+        deadline = time.monotonic() + hang_guard
+        hung = []
+        for rank, proc in self.procs.items():
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung.append(rank)
+                continue
+            self.codes[rank] = proc.returncode
+            self.stderr[rank] = err
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if lines:
+                self.results[rank] = json.loads(lines[-1])
+        for rank in hung:
+            self.procs[rank].kill()
+            self.procs[rank].communicate()
+        assert not hung, f"ranks {hung} hung: still running {hang_guard:.0f} s after start"
+        return self
+
+
+def start_ranks(world: int, env_for_rank, args: list[str], ranks: list[int] | None = None) -> Ranks:
+    procs = {}
+    for rank in ranks if ranks is not None else range(world):
+        env = clean_env(**env_for_rank(rank))
+        procs[rank] = subprocess.Popen([sys.executable, WORKER, *args], env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return Ranks(procs)
+
+
+def wait_for_files(directory: Path, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all((directory / n).exists() for n in names):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{names} did not appear in {directory} within {timeout} s")

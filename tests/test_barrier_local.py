@@ -1,0 +1,160 @@
+"""The barrier across real local processes with launcher variables set, including faults."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+from procs import slurm_env, start_ranks, torchrun_env, wait_for_files
+
+HANG_GUARD = 120  # generous: a rank still running after this is a hang
+
+
+def _torchrun(world: int, run_id: str | None = None):
+    run_id = run_id or secrets.token_hex(4)
+    return lambda rank: torchrun_env(rank, world, run_id)
+
+
+def test_sixteen_ranks_released_only_after_rank0_work(tmp_path: Path) -> None:
+    ranks = start_ranks(16, _torchrun(16), ["--dir", str(tmp_path), "--work-seconds", "1.5"]).finish(HANG_GUARD)
+    assert set(ranks.codes.values()) == {0}, ranks.stderr
+    assert all(ranks.results[r]["saw_marker"] for r in range(1, 16)), ranks.results
+    assert sorted(os.listdir(tmp_path)) == ["marker"], "a successful barrier must leave nothing behind"
+
+
+def test_same_scenario_without_barrier_shows_the_race(tmp_path: Path) -> None:
+    """The twin of the test above: without the barrier, ranks run ahead of rank 0's work."""
+    ranks = start_ranks(16, _torchrun(16), ["--dir", str(tmp_path), "--work-seconds", "1.5",
+                                            "--no-barrier"]).finish(HANG_GUARD)
+    missed = [r for r in range(1, 16) if not ranks.results[r]["saw_marker"]]
+    assert missed, "without the barrier some rank must miss rank 0's marker"
+
+
+def test_rank0_late_by_six_seconds(tmp_path: Path) -> None:
+    ranks = start_ranks(8, _torchrun(8), ["--dir", str(tmp_path), "--rank0-delay", "6",
+                                          "--work-seconds", "0.2"]).finish(HANG_GUARD)
+    assert set(ranks.codes.values()) == {0}, ranks.stderr
+    assert all(ranks.results[r]["saw_marker"] for r in range(1, 8))
+
+
+def test_waiter_killed_before_arriving(tmp_path: Path) -> None:
+    """kill -9 of rank 3 before it arrives: rank 0 times out naming rank 3, everyone stops."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    ranks = start_ranks(6, _torchrun(6), ["--dir", str(work), "--timeout", "8", "--hold-rank", "3",
+                                          "--ready-dir", str(ready)])
+    wait_for_files(ready, ["ready.3"], 60)
+    ranks.kill(3)
+    ranks.finish(HANG_GUARD)
+    assert ranks.codes[3] == -9
+    r0 = ranks.results[0]
+    assert r0["error_type"] == "BarrierTimeout" and "ranks 3 never arrived" in r0["error"], r0
+    assert "5 of 6 did" in r0["error"]
+    for r in (1, 2, 4, 5):
+        res = ranks.results[r]
+        assert res["error_type"] == "BarrierTimeout" and "rank 0" in res["error"], res
+        assert "ranks 3 never arrived" in res["error"], res
+    assert not (work / "marker").exists(), "rank 0 must not run its work with a rank missing"
+
+
+def test_rank0_raising_reaches_every_rank(tmp_path: Path) -> None:
+    ranks = start_ranks(6, _torchrun(6), ["--dir", str(tmp_path), "--rank0-fault", "raise",
+                                          "--work-seconds", "0.3"]).finish(HANG_GUARD)
+    assert ranks.results[0]["error_type"] == "PermissionError"
+    for r in range(1, 6):
+        res = ranks.results[r]
+        assert res["error_type"] == "RankZeroFailed", res
+        assert "PermissionError" in res["error"] and "Permission denied" in res["error"], res
+
+
+def test_rank0_killed_mid_work(tmp_path: Path) -> None:
+    """Rank 0 dies inside the barrier: the others fail at their timeout saying so."""
+    ranks = start_ranks(5, _torchrun(5), ["--dir", str(tmp_path), "--rank0-fault", "hang", "--timeout", "6"])
+    deadline = time.monotonic() + 60
+    state_dirs: list[Path] = []
+    while time.monotonic() < deadline and not state_dirs:
+        state_dirs = list((tmp_path / ".nemo_safe").glob("*/arrive.*"))
+        time.sleep(0.05)
+    time.sleep(0.5)  # let all four waiters arrive; rank 0 is now in its (hanging) work
+    ranks.kill(0)
+    ranks.finish(HANG_GUARD)
+    for r in range(1, 5):
+        res = ranks.results[r]
+        assert res["error_type"] == "BarrierTimeout", res
+        assert "never finished" in res["error"], res
+        assert res["seconds"] < 30, "must end at its own 6 s timeout"
+
+
+def test_stale_directory_same_key_never_releases_early(tmp_path: Path) -> None:
+    """Attempt 1 fails (leaving a failure outcome); attempt 2 with the same key and rank 0
+    6 s late must not release anyone on attempt 1's files, and completes correctly."""
+    run_id = "static-none"
+    first = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-fault", "raise",
+                                                  "--work-seconds", "0"]).finish(HANG_GUARD)
+    assert first.results[1]["error_type"] == "RankZeroFailed"
+    leftovers = list((tmp_path / ".nemo_safe").glob("*/state"))
+    assert leftovers, "attempt 1 should leave its failure state for this test to be meaningful"
+    second = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "6",
+                                                   "--work-seconds", "0.5"]).finish(HANG_GUARD)
+    assert set(second.codes.values()) == {0}, second.results
+    assert all(second.results[r]["saw_marker"] for r in range(1, 4))
+    assert {r["key"] for r in first.results.values()} == {r["key"] for r in second.results.values()}
+
+
+def test_stale_collect_state_from_killed_rank0(tmp_path: Path) -> None:
+    """Attempt 1's rank 0 is killed mid-work; attempt 2 with the same key completes."""
+    run_id = "static-none"
+    first = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-fault", "hang",
+                                                  "--timeout", "4"])
+    time.sleep(3)
+    first.kill(0)
+    first.finish(HANG_GUARD)
+    assert list((tmp_path / ".nemo_safe").glob("*/state"))
+    second = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "2",
+                                                   "--work-seconds", "0.5"]).finish(HANG_GUARD)
+    assert set(second.codes.values()) == {0}, second.results
+    assert all(second.results[r]["saw_marker"] for r in range(1, 4))
+
+
+def test_requeued_attempt_uses_a_new_key(tmp_path: Path) -> None:
+    """SLURM requeue: same job id, SLURM_RESTART_COUNT 0 -> 1. Attempt 0 died; attempt 1 completes."""
+    def env(restart: int):
+        return lambda rank: slurm_env(rank, 4, "4242", restart)
+
+    first = start_ranks(4, env(0), ["--dir", str(tmp_path), "--rank0-fault", "hang", "--timeout", "4"])
+    time.sleep(3)
+    first.kill(0)
+    first.finish(HANG_GUARD)
+    second = start_ranks(4, env(1), ["--dir", str(tmp_path), "--work-seconds", "0.5"]).finish(HANG_GUARD)
+    assert set(second.codes.values()) == {0}, second.results
+    assert all(second.results[r]["saw_marker"] for r in range(1, 4))
+    assert first.results[1]["key"] != second.results[1]["key"]
+    assert second.results[0]["launcher"] == "slurm"
+
+
+def test_symlink_planted_at_barrier_path(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".nemo_safe").symlink_to(victim)
+    ranks = start_ranks(4, _torchrun(4), ["--dir", str(work), "--timeout", "30"]).finish(HANG_GUARD)
+    for r in range(4):
+        assert ranks.results[r]["error_type"] == "UnsafeBarrierPath", ranks.results[r]
+        assert ranks.results[r]["seconds"] < 10, "must refuse at once, not at the timeout"
+    assert list(victim.iterdir()) == [], "nothing may be written through the planted symlink"
+
+
+def test_world_size_mismatch_is_named(tmp_path: Path) -> None:
+    bad = start_ranks(3, lambda r: torchrun_env(r, 3, "mismatch2"),
+                      ["--dir", str(tmp_path), "--timeout", "20", "--world", "3"], ranks=[0])
+    odd = start_ranks(3, lambda r: torchrun_env(r, 3, "mismatch2"),
+                      ["--dir", str(tmp_path), "--timeout", "20", "--world", "2"], ranks=[1])
+    bad.finish(HANG_GUARD)
+    odd.finish(HANG_GUARD)
+    assert "world size 2 but rank 0 uses 3" in bad.results[0]["error"], bad.results
+    assert odd.results[1]["error_type"] == "RankZeroFailed" and "world size" in odd.results[1]["error"]
