@@ -299,7 +299,10 @@ class Barrier:
                 if progress.due():
                     log.info(
                         "rank %d waiting for rank 0 at %s (%.0f s of %.0f s)",
-                        self.rank, self._where(), progress.elapsed, self.timeout,
+                        self.rank,
+                        self._where(),
+                        progress.elapsed,
+                        self.timeout,
                     )
                 backoff.sleep(deadline)
         finally:
@@ -308,8 +311,15 @@ class Barrier:
     def _arrive(self, session: str) -> str:
         self._check_real_dir(self.parent)
         name = f"{ARRIVE_PREFIX}{session}.{self.rank}.{self.world_size}.{self.nonce}"
-        body = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "nonce": self.nonce,
-                "session": session, "world_size": self.world_size, "time": time.time()}
+        body = {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "nonce": self.nonce,
+            "session": session,
+            "world_size": self.world_size,
+            "time": time.time(),
+        }
         publish(self.path, name, json.dumps(body).encode())
         return name
 
@@ -385,15 +395,21 @@ class Barrier:
                 # Another barrier's rank 0 removed the empty parent just now: retry.
                 if not os.path.isdir(self.root):
                     raise NemoSafeError(
-                        f"{self._where()}: the directory {self.root} does not exist; "
-                        "create it before the barrier"
+                        f"{self._where()}: the directory {self.root} does not exist; " "create it before the barrier"
                     ) from None
         raise NemoSafeError(f"{self._where()}: could not create the barrier directory")
 
     def _publish_state(self, phase: str, **extra: Any) -> None:
-        body = {"v": 1, "phase": phase, "session": self._session, "name": self.name,
-                "world_size": self.world_size, "rank0": {"host": self.host, "pid": os.getpid()},
-                "time": time.time(), **extra}
+        body = {
+            "v": 1,
+            "phase": phase,
+            "session": self._session,
+            "name": self.name,
+            "world_size": self.world_size,
+            "rank0": {"host": self.host, "pid": os.getpid()},
+            "time": time.time(),
+            **extra,
+        }
         publish(self.path, STATE_NAME, json.dumps(body).encode())
 
     def _scan(self) -> dict[int, _Arrival]:
@@ -468,8 +484,12 @@ class Barrier:
             if progress.due():
                 log.info(
                     "rank 0 waiting at %s: %d of %d ranks arrived, missing %s (%.0f s of %.0f s)",
-                    self._where(), len(arrived) + 1, self.world_size, _ranges(missing),
-                    progress.elapsed, self.timeout,
+                    self._where(),
+                    len(arrived) + 1,
+                    self.world_size,
+                    _ranges(missing),
+                    progress.elapsed,
+                    self.timeout,
                 )
             backoff.sleep(deadline)
 
@@ -477,8 +497,10 @@ class Barrier:
         """Rank 0: publish the outcome to every accepted rank, then clean up in the background."""
         if self._session is None:
             raise ConfigurationError(f"{self._where()}: release() before gather()")
-        outcome: dict[str, Any] = {"ok": error is None,
-                                   "accepted": {str(r): a.nonce for r, a in self._accepted.items()}}
+        outcome: dict[str, Any] = {
+            "ok": error is None,
+            "accepted": {str(r): a.nonce for r, a in self._accepted.items()},
+        }
         if error is not None:
             outcome["error_type"], outcome["error"] = _describe(error)
         self._publish_state("done", **outcome)
@@ -487,8 +509,9 @@ class Barrier:
             # reason instead of timing out; the next attempt replaces it.
             return
         names = {a.name for a in self._accepted.values()}
-        thread = threading.Thread(target=self._cleanup, args=(names,), daemon=True,
-                                  name=f"nemo_safe-cleanup-{self.name}")
+        thread = threading.Thread(
+            target=self._cleanup, args=(names,), daemon=True, name=f"nemo_safe-cleanup-{self.name}"
+        )
         _cleanups.append(thread)
         thread.start()
 

@@ -43,8 +43,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             version = "not installed"
         print(f"  {dist:<20} {version}")
     print("patches:")
-    state = "disabled by NEMO_SAFE_DISABLE" if patching.disabled_by_env() else (
-        "enabled" if patching.is_enabled() else "not enabled")
+    state = (
+        "disabled by NEMO_SAFE_DISABLE"
+        if patching.disabled_by_env()
+        else ("enabled" if patching.is_enabled() else "not enabled")
+    )
     print(f"  patching           {state}")
     active = set(patching.active())
     for patch in patching.registered():
@@ -73,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress lines")
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("selftest", help="run the barrier across local processes or the current srun/torchrun job")
-    st.add_argument("--dir", help="directory for the barrier (default: a temp dir locally, the cwd under a launcher); "
-                    "use your shared filesystem")
+    st.add_argument(
+        "--dir",
+        help="directory for the barrier (default: a temp dir locally, the cwd under a launcher); "
+        "use your shared filesystem",
+    )
     st.add_argument("--procs", type=int, default=4, help="local processes when not under a launcher (default 4)")
     st.add_argument("--timeout", type=float, default=None, help="barrier timeout in seconds")
     st.add_argument("--work-seconds", type=float, default=0.5, help="how long rank 0 works inside the barrier")
@@ -87,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
+    )
     if getattr(args, "procs", 1) < 1:
         print("nemo-safe: --procs must be at least 1", file=sys.stderr)
         return 2

@@ -67,8 +67,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         return int(value)
     except ValueError:
         raise ConfigurationError(
-            f"launcher variable {name}={value!r} is not an integer; "
-            "check the job script that exports it"
+            f"launcher variable {name}={value!r} is not an integer; " "check the job script that exports it"
         ) from None
 
 
@@ -78,9 +77,7 @@ def _key(*parts: object) -> str:
 
 def _check(identity: ClusterIdentity) -> ClusterIdentity:
     if identity.world_size < 1:
-        raise ConfigurationError(
-            f"{identity.launcher}: world size {identity.world_size} must be at least 1"
-        )
+        raise ConfigurationError(f"{identity.launcher}: world size {identity.world_size} must be at least 1")
     if not 0 <= identity.rank < identity.world_size:
         raise ConfigurationError(
             f"{identity.launcher}: rank {identity.rank} is outside world size "

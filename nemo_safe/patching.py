@@ -78,8 +78,7 @@ def _apply(patch: Patch, module: ModuleType) -> None:
     try:
         undo = patch.apply(module)
     except Exception:  # a broken patch must never break the user's import
-        log.exception("nemo_safe: patch %s could not be applied; leaving %s unchanged",
-                      patch.name, patch.module)
+        log.exception("nemo_safe: patch %s could not be applied; leaving %s unchanged", patch.name, patch.module)
         return
     if undo is not None:
         _applied[patch.name] = undo

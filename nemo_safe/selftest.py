@@ -48,8 +48,14 @@ def run_member(directory: str, timeout: float | None, work_seconds: float) -> di
         else:
             saw_marker = read_if_exists(marker) == b"rank 0 finished its work\n"
     released = time.time()
-    mine = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
-            "entered": entered, "released": released, "saw_marker": saw_marker}
+    mine = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "entered": entered,
+        "released": released,
+        "saw_marker": saw_marker,
+    }
     result_name = f"{tag}.rank{rank}.json"
     publish(directory, result_name, json.dumps(mine).encode())
     report: dict[str, Any] | None = None
@@ -63,7 +69,9 @@ def run_member(directory: str, timeout: float | None, work_seconds: float) -> di
                         raise NemoSafeError(f"selftest: rank {r} released but left no result")
                     results.append(json.loads(raw))
                 report = {
-                    "launcher": ident.launcher, "world_size": world, "attempt_key": ident.attempt_key,
+                    "launcher": ident.launcher,
+                    "world_size": world,
+                    "attempt_key": ident.attempt_key,
                     "directory": os.path.abspath(directory),
                     "filesystem": filesystem_type(directory),
                     "hosts": sorted({r["host"] for r in results}),
@@ -79,6 +87,11 @@ def run_member(directory: str, timeout: float | None, work_seconds: float) -> di
 
 
 def format_report(report: dict[str, Any]) -> str:
+    ordering = (
+        "OK: every rank saw rank 0 finish first"
+        if report["all_saw_rank0_work"]
+        else "FAILED: a rank was released before rank 0 finished"
+    )
     lines = [
         "nemo-safe selftest",
         f"  launcher          {report['launcher']}",
@@ -86,7 +99,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"  hosts             {', '.join(report['hosts'])}",
         f"  attempt key       {report['attempt_key']}",
         f"  directory         {report['directory']} ({report['filesystem']})",
-        f"  ordering          {'OK: every rank saw rank 0 finish first' if report['all_saw_rank0_work'] else 'FAILED: a rank was released before rank 0 finished'}",
+        f"  ordering          {ordering}",
         f"  release latency   {report['release_latency_s'] * 1000:.1f} ms (rank 0 done -> last rank released)",
     ]
     lines += [f"  warning           {w}" for w in report.get("warnings", [])]
@@ -98,24 +111,44 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
     with tempfile.TemporaryDirectory(prefix="nemo_safe_selftest_") as tmp:
         target = directory or tmp
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
-        env.update(WORLD_SIZE=str(procs), TORCHELASTIC_RUN_ID=f"selftest-{secrets.token_hex(6)}",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT="0", GROUP_RANK="0")
-        args = [sys.executable, "-m", "nemo_safe.cli", "selftest", "--dir", target,
-                "--work-seconds", str(work_seconds), "--member"]
+        env.update(
+            WORLD_SIZE=str(procs),
+            TORCHELASTIC_RUN_ID=f"selftest-{secrets.token_hex(6)}",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="0",
+            GROUP_RANK="0",
+        )
+        args = [
+            sys.executable,
+            "-m",
+            "nemo_safe.cli",
+            "selftest",
+            "--dir",
+            target,
+            "--work-seconds",
+            str(work_seconds),
+            "--member",
+        ]
         if timeout is not None:
             args += ["--timeout", str(timeout)]
         children = [
-            subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                args,
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for r in range(procs)
         ]
         outputs = [c.communicate() for c in children]
-        failed = [(r, err) for r, (c, (_, err)) in enumerate(zip(children, outputs)) if c.returncode]
+        failed = [(r, err) for r, (c, (_, err)) in enumerate(zip(children, outputs, strict=True)) if c.returncode]
         if failed:
-            detail = "\n".join(f"rank {r}: {err.strip().splitlines()[-1] if err.strip() else 'no output'}"
-                               for r, err in failed)
+            detail = "\n".join(
+                f"rank {r}: {err.strip().splitlines()[-1] if err.strip() else 'no output'}" for r, err in failed
+            )
             raise NemoSafeError(f"selftest: {len(failed)} of {procs} local ranks failed:\n{detail}")
         for line in outputs[0][0].splitlines():
             if line.startswith(REPORT_PREFIX):
-                return json.loads(line[len(REPORT_PREFIX):])
+                return json.loads(line[len(REPORT_PREFIX) :])
         raise NemoSafeError("selftest: rank 0 printed no report")

@@ -41,8 +41,15 @@ def main() -> int:
     world = args.world or ident.world_size
     directory = args.dir_for_odd_ranks if (args.dir_for_odd_ranks and rank % 2) else args.dir
     marker = os.path.join(directory, "marker")
-    result = {"rank": rank, "world": world, "launcher": ident.launcher, "key": ident.attempt_key,
-              "pid": os.getpid(), "saw_marker": None, "status": "ok"}
+    result = {
+        "rank": rank,
+        "world": world,
+        "launcher": ident.launcher,
+        "key": ident.attempt_key,
+        "pid": os.getpid(),
+        "saw_marker": None,
+        "status": "ok",
+    }
     if args.ready_dir:
         publish(args.ready_dir, f"ready.{rank}", str(os.getpid()).encode())
     if args.hold_rank == rank:

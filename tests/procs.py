@@ -19,24 +19,38 @@ LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK",
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher variables (the test runner may itself run under one)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
 
 
 def torchrun_env(rank: int, world: int, run_id: str) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
 
 
 def slurm_env(rank: int, world: int, job_id: str, restart: int = 0) -> dict[str, str]:
-    return {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-            "SLURM_NTASKS": str(world), "SLURM_STEP_NUM_TASKS": str(world), "SLURM_JOB_ID": job_id,
-            "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "train", "SLURM_CLUSTER_NAME": "testcluster",
-            "SLURM_RESTART_COUNT": str(restart)}
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": str(world),
+        "SLURM_STEP_NUM_TASKS": str(world),
+        "SLURM_JOB_ID": job_id,
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_CLUSTER_NAME": "testcluster",
+        "SLURM_RESTART_COUNT": str(restart),
+    }
 
 
 @dataclass
@@ -75,8 +89,9 @@ def start_ranks(world: int, env_for_rank, args: list[str], ranks: list[int] | No
     procs = {}
     for rank in ranks if ranks is not None else range(world):
         env = clean_env(**env_for_rank(rank))
-        procs[rank] = subprocess.Popen([sys.executable, WORKER, *args], env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[rank] = subprocess.Popen(
+            [sys.executable, WORKER, *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
     return Ranks(procs)
 
 

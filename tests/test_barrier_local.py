@@ -26,15 +26,17 @@ def test_sixteen_ranks_released_only_after_rank0_work(tmp_path: Path) -> None:
 
 def test_same_scenario_without_barrier_shows_the_race(tmp_path: Path) -> None:
     """The twin of the test above: without the barrier, ranks run ahead of rank 0's work."""
-    ranks = start_ranks(16, _torchrun(16), ["--dir", str(tmp_path), "--work-seconds", "1.5",
-                                            "--no-barrier"]).finish(HANG_GUARD)
+    ranks = start_ranks(16, _torchrun(16), ["--dir", str(tmp_path), "--work-seconds", "1.5", "--no-barrier"]).finish(
+        HANG_GUARD
+    )
     missed = [r for r in range(1, 16) if not ranks.results[r]["saw_marker"]]
     assert missed, "without the barrier some rank must miss rank 0's marker"
 
 
 def test_rank0_late_by_six_seconds(tmp_path: Path) -> None:
-    ranks = start_ranks(8, _torchrun(8), ["--dir", str(tmp_path), "--rank0-delay", "6",
-                                          "--work-seconds", "0.2"]).finish(HANG_GUARD)
+    ranks = start_ranks(
+        8, _torchrun(8), ["--dir", str(tmp_path), "--rank0-delay", "6", "--work-seconds", "0.2"]
+    ).finish(HANG_GUARD)
     assert set(ranks.codes.values()) == {0}, ranks.stderr
     assert all(ranks.results[r]["saw_marker"] for r in range(1, 8))
 
@@ -45,8 +47,9 @@ def test_waiter_killed_before_arriving(tmp_path: Path) -> None:
     ready.mkdir()
     work = tmp_path / "work"
     work.mkdir()
-    ranks = start_ranks(6, _torchrun(6), ["--dir", str(work), "--timeout", "8", "--hold-rank", "3",
-                                          "--ready-dir", str(ready)])
+    ranks = start_ranks(
+        6, _torchrun(6), ["--dir", str(work), "--timeout", "8", "--hold-rank", "3", "--ready-dir", str(ready)]
+    )
     wait_for_files(ready, ["ready.3"], 60)
     ranks.kill(3)
     ranks.finish(HANG_GUARD)
@@ -62,8 +65,9 @@ def test_waiter_killed_before_arriving(tmp_path: Path) -> None:
 
 
 def test_rank0_raising_reaches_every_rank(tmp_path: Path) -> None:
-    ranks = start_ranks(6, _torchrun(6), ["--dir", str(tmp_path), "--rank0-fault", "raise",
-                                          "--work-seconds", "0.3"]).finish(HANG_GUARD)
+    ranks = start_ranks(
+        6, _torchrun(6), ["--dir", str(tmp_path), "--rank0-fault", "raise", "--work-seconds", "0.3"]
+    ).finish(HANG_GUARD)
     assert ranks.results[0]["error_type"] == "PermissionError"
     for r in range(1, 6):
         res = ranks.results[r]
@@ -93,13 +97,15 @@ def test_stale_directory_same_key_never_releases_early(tmp_path: Path) -> None:
     """Attempt 1 fails (leaving a failure outcome); attempt 2 with the same key and rank 0
     6 s late must not release anyone on attempt 1's files, and completes correctly."""
     run_id = "static-none"
-    first = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-fault", "raise",
-                                                  "--work-seconds", "0"]).finish(HANG_GUARD)
+    first = start_ranks(
+        4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-fault", "raise", "--work-seconds", "0"]
+    ).finish(HANG_GUARD)
     assert first.results[1]["error_type"] == "RankZeroFailed"
     leftovers = list((tmp_path / ".nemo_safe").glob("*/state"))
     assert leftovers, "attempt 1 should leave its failure state for this test to be meaningful"
-    second = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "6",
-                                                   "--work-seconds", "0.5"]).finish(HANG_GUARD)
+    second = start_ranks(
+        4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "6", "--work-seconds", "0.5"]
+    ).finish(HANG_GUARD)
     assert set(second.codes.values()) == {0}, second.results
     assert all(second.results[r]["saw_marker"] for r in range(1, 4))
     assert {r["key"] for r in first.results.values()} == {r["key"] for r in second.results.values()}
@@ -108,20 +114,21 @@ def test_stale_directory_same_key_never_releases_early(tmp_path: Path) -> None:
 def test_stale_collect_state_from_killed_rank0(tmp_path: Path) -> None:
     """Attempt 1's rank 0 is killed mid-work; attempt 2 with the same key completes."""
     run_id = "static-none"
-    first = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-fault", "hang",
-                                                  "--timeout", "4"])
+    first = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-fault", "hang", "--timeout", "4"])
     time.sleep(3)
     first.kill(0)
     first.finish(HANG_GUARD)
     assert list((tmp_path / ".nemo_safe").glob("*/state"))
-    second = start_ranks(4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "2",
-                                                   "--work-seconds", "0.5"]).finish(HANG_GUARD)
+    second = start_ranks(
+        4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "2", "--work-seconds", "0.5"]
+    ).finish(HANG_GUARD)
     assert set(second.codes.values()) == {0}, second.results
     assert all(second.results[r]["saw_marker"] for r in range(1, 4))
 
 
 def test_requeued_attempt_uses_a_new_key(tmp_path: Path) -> None:
     """SLURM requeue: same job id, SLURM_RESTART_COUNT 0 -> 1. Attempt 0 died; attempt 1 completes."""
+
     def env(restart: int):
         return lambda rank: slurm_env(rank, 4, "4242", restart)
 
@@ -150,10 +157,18 @@ def test_symlink_planted_at_barrier_path(tmp_path: Path) -> None:
 
 
 def test_world_size_mismatch_is_named(tmp_path: Path) -> None:
-    bad = start_ranks(3, lambda r: torchrun_env(r, 3, "mismatch2"),
-                      ["--dir", str(tmp_path), "--timeout", "20", "--world", "3"], ranks=[0])
-    odd = start_ranks(3, lambda r: torchrun_env(r, 3, "mismatch2"),
-                      ["--dir", str(tmp_path), "--timeout", "20", "--world", "2"], ranks=[1])
+    bad = start_ranks(
+        3,
+        lambda r: torchrun_env(r, 3, "mismatch2"),
+        ["--dir", str(tmp_path), "--timeout", "20", "--world", "3"],
+        ranks=[0],
+    )
+    odd = start_ranks(
+        3,
+        lambda r: torchrun_env(r, 3, "mismatch2"),
+        ["--dir", str(tmp_path), "--timeout", "20", "--world", "2"],
+        ranks=[1],
+    )
     bad.finish(HANG_GUARD)
     odd.finish(HANG_GUARD)
     assert "world size 2 but rank 0 uses 3" in bad.results[0]["error"], bad.results

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh machine: system packages, the pinned
+# environment (.venv), the local two-node SLURM cluster, lint, then pytest.
+# Extra arguments go to pytest (e.g. `bash ci/run_tests.sh -k slurm`).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+need=()
+command -v bindfs >/dev/null 2>&1 || need+=(bindfs)
+command -v fusermount3 >/dev/null 2>&1 || command -v fusermount >/dev/null 2>&1 || need+=(fuse3)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "run_tests: installing ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+bash ci/setup_env.sh
+
+started_cluster=0
+if ! sinfo -h >/dev/null 2>&1; then
+    started_cluster=1
+fi
+bash ci/slurm_up.sh
+if [ "$started_cluster" = 1 ]; then
+    trap 'bash ci/slurm_down.sh' EXIT
+fi
+
+echo "run_tests: ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+
+echo "run_tests: pytest"
+.venv/bin/python -m pytest tests "$@"

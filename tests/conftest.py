@@ -1,0 +1,62 @@
+"""Shared fixtures: the real local SLURM cluster and FUSE (bindfs) mounts.
+
+Outside CI a missing piece skips with the reason; in CI (CI=true) it fails,
+because those tests must run there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _missing(what: str) -> None:
+    if IN_CI:
+        pytest.fail(f"CI must run this test but {what}", pytrace=False)
+    pytest.skip(f"{what} (run ci/run_tests.sh to set it up)")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """The two-node cluster started by ci/slurm_up.sh must answer."""
+    if not shutil.which("srun"):
+        _missing("srun is not installed")
+    out = subprocess.run(["sinfo", "-h", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or "node" not in out.stdout:
+        _missing(f"the local SLURM cluster does not answer (sinfo: {out.stderr.strip() or out.stdout.strip()})")
+
+
+@pytest.fixture()
+def bindfs_views(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """Two bindfs views of one directory with 3 s entry/attr/negative caches (an NFS-like view)."""
+    if not shutil.which("bindfs"):
+        _missing("bindfs is not installed")
+    if not os.path.exists("/dev/fuse"):
+        _missing("/dev/fuse does not exist")
+    base, views = tmp_path / "base", [tmp_path / "view1", tmp_path / "view2"]
+    for d in (base, *views):
+        d.mkdir()
+    opts = "negative_timeout=3,entry_timeout=3,attr_timeout=3"
+    mounted = []
+    try:
+        for view in views:
+            out = subprocess.run(
+                ["bindfs", "-o", opts, str(base), str(view)], capture_output=True, text=True, timeout=30
+            )
+            if out.returncode != 0:
+                _missing(f"bindfs could not mount: {out.stderr.strip()}")
+            mounted.append(view)
+        yield base, views[0], views[1]
+    finally:
+        for view in mounted:
+            subprocess.run(["umount", str(view)], check=False, timeout=30)

@@ -1,0 +1,55 @@
+"""Barrier API misuse and single-process behaviour, in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_safe import Barrier, ConfigurationError, rank_zero_first
+from nemo_safe.barrier import _ranges
+
+
+@pytest.mark.parametrize("world", [0, -1, 1.5, True, "8"])
+def test_bad_world_size(tmp_path: Path, world) -> None:
+    with pytest.raises(ConfigurationError, match="world_size must be an int"):
+        Barrier(tmp_path, world, "x", rank=0, attempt_key="k")
+
+
+def test_rank_outside_world(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="rank 4 is outside world size 4"):
+        Barrier(tmp_path, 4, "x", rank=4, attempt_key="k")
+
+
+def test_bad_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigurationError, match="timeout must be positive"):
+        Barrier(tmp_path, 2, "x", rank=0, attempt_key="k", timeout=0)
+    monkeypatch.setenv("NEMO_SAFE_BARRIER_TIMEOUT", "-3")
+    with pytest.raises(ConfigurationError, match="must be a positive number"):
+        Barrier(tmp_path, 2, "x", rank=0, attempt_key="k")
+
+
+def test_wrong_side_calls(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="rank 0 must call gather"):
+        Barrier(tmp_path, 2, "x", rank=0, attempt_key="k").wait()
+    with pytest.raises(ConfigurationError, match="only rank 0 gathers"):
+        Barrier(tmp_path, 2, "x", rank=1, attempt_key="k").gather()
+    with pytest.raises(ConfigurationError, match="release\\(\\) before gather"):
+        Barrier(tmp_path, 2, "x", rank=0, attempt_key="k").release()
+
+
+def test_single_process_writes_nothing(tmp_path: Path) -> None:
+    with rank_zero_first(tmp_path, 1, "solo") as barrier:
+        assert barrier is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_directory_is_named(tmp_path: Path) -> None:
+    barrier = Barrier(tmp_path / "nope", 2, "x", rank=0, attempt_key="k", timeout=1)
+    with pytest.raises(Exception, match="does not exist; create it"):
+        barrier.gather()
+
+
+def test_ranges() -> None:
+    assert _ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
+    assert _ranges([]) == "none"

@@ -1,0 +1,150 @@
+"""Cluster identity from launcher variables: a table of real-world environments."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nemo_safe.cluster_identity import detect, sanitize_component
+from nemo_safe.errors import ConfigurationError
+
+SLURM = {
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_CLUSTER_NAME": "c1",
+}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "16",
+    "LOCAL_RANK": "3",
+    "GROUP_RANK": "0",
+    "TORCHELASTIC_RUN_ID": "abc",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "MASTER_ADDR": "n1",
+    "MASTER_PORT": "29500",
+}
+OMPI = {
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_NODE_RANK": "2",
+    "PMIX_NAMESPACE": "prterun-n1-123@1",
+    "PMIX_RANK": "2",
+}
+
+# (case, env, launcher, rank, local_rank, node_rank, world_size)
+TABLE = [
+    ("nothing", {}, "none", 0, 0, 0, 1),
+    ("slurm srun task", SLURM, "slurm", 5, 1, 1, 8),
+    ("slurm step smaller than allocation", {**SLURM, "SLURM_NTASKS": "16"}, "slurm", 5, 1, 1, 8),
+    ("slurm without step count", {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NUM_TASKS"}, "slurm", 5, 1, 1, 8),
+    ("interactive slurm named bash", {**SLURM, "SLURM_JOB_NAME": "bash"}, "none", 0, 0, 0, 1),
+    ("interactive slurm named interactive", {**SLURM, "SLURM_JOB_NAME": "interactive"}, "none", 0, 0, 0, 1),
+    ("torchrun", TORCHRUN, "torchrun", 3, 3, 0, 16),
+    (
+        "torchrun under srun wins over SLURM_PROCID=node index",
+        {**SLURM, "SLURM_PROCID": "1", **TORCHRUN, "RANK": "12", "GROUP_RANK": "1"},
+        "torchrun",
+        12,
+        3,
+        1,
+        16,
+    ),
+    ("open mpi", OMPI, "openmpi", 2, 0, 2, 4),
+    ("pmix only", {"PMIX_RANK": "1", "PMIX_NAMESPACE": "ns", "PMIX_SIZE": "2"}, "pmix", 1, 0, 0, 2),
+]
+
+
+@pytest.mark.parametrize("case,env,launcher,rank,local,node,world", TABLE, ids=[t[0] for t in TABLE])
+def test_identity_table(case, env, launcher, rank, local, node, world) -> None:
+    ident = detect(env)
+    assert (ident.launcher, ident.rank, ident.local_rank, ident.node_rank, ident.world_size) == (
+        launcher,
+        rank,
+        local,
+        node,
+        world,
+    )
+    assert os.sep not in ident.attempt_key and not ident.attempt_key.startswith(".")
+
+
+def test_interactive_slurm_warns() -> None:
+    ident = detect({**SLURM, "SLURM_JOB_NAME": "bash"})
+    assert ident.warnings and "-J" in ident.warnings[0]
+
+
+def _key(env: dict[str, str]) -> str:
+    return detect(env).attempt_key
+
+
+def test_key_is_the_same_on_every_rank_of_an_attempt() -> None:
+    keys = {_key({**SLURM, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r // 4)}) for r in range(8)}
+    assert len(keys) == 1
+    keys = {_key({**TORCHRUN, "RANK": str(r), "LOCAL_RANK": str(r % 8)}) for r in range(16)}
+    assert len(keys) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"SLURM_RESTART_COUNT": "1"},  # requeue keeps the job id, step ids restart at 0
+        {"SLURM_STEP_ID": "1"},
+        {"SLURM_JOB_ID": "1235"},
+        {"SLURM_CLUSTER_NAME": "c2"},
+        {"SLURM_JOB_START_TIME": "1764000000"},
+        {"SLURM_ARRAY_JOB_ID": "1200", "SLURM_ARRAY_TASK_ID": "7"},
+    ],
+)
+def test_slurm_key_differs_between_attempts(change: dict[str, str]) -> None:
+    assert _key({**SLURM, **change}) != _key(SLURM)
+
+
+def test_array_tasks_differ() -> None:
+    base = {**SLURM, "SLURM_ARRAY_JOB_ID": "1200"}
+    assert _key({**base, "SLURM_ARRAY_TASK_ID": "1"}) != _key({**base, "SLURM_ARRAY_TASK_ID": "2"})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"TORCHELASTIC_RESTART_COUNT": "1"},
+        {"TORCHELASTIC_RUN_ID": "other"},
+        {"MASTER_PORT": "29501"},
+    ],
+)
+def test_torchrun_key_differs_between_attempts(change: dict[str, str]) -> None:
+    assert _key({**TORCHRUN, **change}) != _key(TORCHRUN)
+
+
+@pytest.mark.parametrize("hostile", ["../../x", "/etc/passwd", "..", ".hidden", "a/b\x00c", "x" * 500, "ä b"])
+def test_hostile_values_stay_one_safe_component(hostile: str) -> None:
+    key = _key({**SLURM, "SLURM_JOB_ID": hostile})
+    assert "/" not in key and "\x00" not in key and ".." not in key and not key.startswith(".")
+    assert len(key) <= 120
+    assert key != _key({**SLURM, "SLURM_JOB_ID": hostile + "1"})
+
+
+def test_sanitize_keeps_plain_values() -> None:
+    assert sanitize_component("slurm-c1-1234-r0-s0") == "slurm-c1-1234-r0-s0"
+
+
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({**SLURM, "SLURM_PROCID": "x"}, "SLURM_PROCID='x'"),
+        ({**SLURM, "SLURM_PROCID": "9"}, "rank 9 is outside world size 8"),
+        ({**TORCHRUN, "WORLD_SIZE": "0"}, "world size 0"),
+        ({"PMIX_RANK": "0", "PMIX_NAMESPACE": "ns"}, "export WORLD_SIZE"),
+    ],
+)
+def test_bad_values_are_clear_errors(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigurationError, match=None) as info:
+        detect(env)
+    assert needle in str(info.value)
