@@ -69,6 +69,9 @@ POLL_MIN = 0.002
 #: Poll cap: 50 ms for small jobs, growing with the world size so that all
 #: waiting ranks together make at most ~2,000 polls/s on a metadata server.
 POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
+RANK0_POLL_SPEEDUP = 5.0
+#: Waiters outlast rank 0's timeout by this much so that they hear its verdict.
+WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
 PROGRESS_EVERY = 5.0
 CLEANUP_GRACE_AT_EXIT = 10.0
 
@@ -222,8 +225,8 @@ class Barrier:
         self.path = os.path.join(self.parent, f"{self.name}.{self.attempt_key}.{seq}")
         self.nonce = secrets.token_hex(8)
         self.host = socket.gethostname()
-        #: Metadata operations per waiting poll (re-open directory + open state), for benchmarks.
-        self.ops_per_poll = 2
+        #: How many times wait() read the state file (benchmarks report load per poll).
+        self.polls = 0
         self._session: str | None = None
         self._accepted: dict[int, _Arrival] = {}
 
@@ -232,8 +235,13 @@ class Barrier:
     def _where(self) -> str:
         return f"barrier {self.name!r} in {self.path}"
 
-    def _check_real_dir(self, path: str) -> None:
-        st = os.lstat(path)
+    def _check_real_dir(self, path: str, missing_ok: bool = False) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if missing_ok:
+                return
+            raise
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
             raise UnsafeBarrierPath(
@@ -272,8 +280,7 @@ class Barrier:
         """Non-zero ranks: block until rank 0 has finished its work; raise if it failed."""
         if self.rank == 0:
             raise ConfigurationError(f"{self._where()}: rank 0 must call gather()/release(), not wait()")
-        if os.path.lexists(self.parent):
-            self._check_real_dir(self.parent)
+        self._check_real_dir(self.parent, missing_ok=True)
         progress = _Progress()
         backoff = Backoff(self.poll_max)
         deadline = time.monotonic() + self.timeout
@@ -281,6 +288,7 @@ class Barrier:
         last: dict[str, Any] | None = None
         try:
             while True:
+                self.polls += 1
                 state = self._read_state()
                 if state is not None:
                     last = state
@@ -289,13 +297,15 @@ class Barrier:
                         self._withdraw(answered)
                         answered[session] = self._arrive(session)
                         backoff.reset()
+                        # Outlast rank 0's own timeout (it started about now), so that its
+                        # verdict naming the missing ranks reaches us before we give up.
+                        deadline = max(deadline, time.monotonic() + self.timeout + self._grace())
                     elif state.get("phase") == "done" and self._outcome_is_mine(state, answered):
                         self._raise_if_failed(state)
                         return
                 if time.monotonic() >= deadline:
-                    if os.path.lexists(self.parent):
-                        self._check_real_dir(self.parent)
-                    raise BarrierTimeout(self._waiter_timeout_message(last, answered))
+                    self._check_real_dir(self.parent, missing_ok=True)
+                    raise BarrierTimeout(self._waiter_timeout_message(last, progress.elapsed))
                 if progress.due():
                     log.info(
                         "rank %d waiting for rank 0 at %s (%.0f s of %.0f s)",
@@ -307,6 +317,9 @@ class Barrier:
                 backoff.sleep(deadline)
         finally:
             self._withdraw(answered)
+
+    def _grace(self) -> float:
+        return max(WAITER_GRACE_MIN, WAITER_GRACE_POLLS * self.poll_max)
 
     def _arrive(self, session: str) -> str:
         self._check_real_dir(self.parent)
@@ -358,8 +371,8 @@ class Barrier:
             rmsg,
         )
 
-    def _waiter_timeout_message(self, last: dict[str, Any] | None, answered: dict[str, str]) -> str:
-        head = f"{self._where()}: rank {self.rank} of {self.world_size} waited {self.timeout:.0f} s"
+    def _waiter_timeout_message(self, last: dict[str, Any] | None, elapsed: float) -> str:
+        head = f"{self._where()}: rank {self.rank} of {self.world_size} waited {elapsed:.0f} s"
         if last is None:
             return (
                 f"{head} and rank 0 never started the barrier (no state file appeared). "
@@ -457,7 +470,8 @@ class Barrier:
         self._session = secrets.token_hex(8)
         self._publish_state("collect")
         progress = _Progress()
-        backoff = Backoff(self.poll_max)
+        # Rank 0 is the only lister, so it can afford to poll faster than the waiters.
+        backoff = Backoff(max(POLL_MIN, self.poll_max / RANK0_POLL_SPEEDUP))
         deadline = time.monotonic() + self.timeout
         while True:
             try:

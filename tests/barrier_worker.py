@@ -22,6 +22,9 @@ MARKER_TEXT = b"rank 0 finished its work\n"
 
 
 def main() -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(message)s")
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--dir-for-odd-ranks", help="another view (mount) of --dir for odd ranks")
