@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--ready-dir", help="each rank touches ready.<rank> here before entering")
     p.add_argument("--hold-rank", type=int, help="this rank sleeps forever before entering")
     p.add_argument("--no-barrier", action="store_true")
+    p.add_argument("--sigusr1-handler", action="store_true", help="install a handler like Lightning's requeue one")
     args = p.parse_args()
 
     ident = detect_identity()
@@ -53,6 +54,15 @@ def main() -> int:
         "saw_marker": None,
         "status": "ok",
     }
+    if args.sigusr1_handler:
+        import signal
+
+        result["sigusr1"] = 0
+
+        def on_usr1(signum, frame):
+            result["sigusr1"] += 1
+
+        signal.signal(signal.SIGUSR1, on_usr1)
     if args.ready_dir:
         publish(args.ready_dir, f"ready.{rank}", str(os.getpid()).encode())
     if args.hold_rank == rank:

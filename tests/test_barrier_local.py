@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -173,3 +174,26 @@ def test_world_size_mismatch_is_named(tmp_path: Path) -> None:
     odd.finish(HANG_GUARD)
     assert "world size 2 but rank 0 uses 3" in bad.results[0]["error"], bad.results
     assert odd.results[1]["error_type"] == "RankZeroFailed" and "world size" in odd.results[1]["error"]
+
+
+def test_waiting_ranks_stay_interruptible_by_signals(tmp_path: Path) -> None:
+    """While ranks wait for a late rank 0: SIGUSR1 (Lightning's requeue handler) runs and the
+    rank keeps waiting; SIGTERM ends a rank at once (so rank 0 later names it as missing)."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["--dir", str(work), "--rank0-delay", "4", "--sigusr1-handler", "--ready-dir", str(ready)]
+    ranks = start_ranks(4, _torchrun(4), [*args, "--timeout", "6"])
+    wait_for_files(ready, ["ready.1", "ready.2"], 60)
+    time.sleep(1)  # ranks 1 and 2 are polling now; rank 0 is still 3 s away
+    ranks.procs[1].send_signal(signal.SIGUSR1)
+    ranks.procs[2].send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    ranks.procs[2].wait(timeout=30)
+    assert time.monotonic() - sent < 5, "SIGTERM must end a waiting rank promptly"
+    ranks.finish(HANG_GUARD)
+    assert ranks.codes[2] == -signal.SIGTERM
+    assert ranks.results[1]["sigusr1"] == 1, ranks.results[1]
+    assert "ranks 2 never arrived" in ranks.results[0]["error"], ranks.results[0]
+    assert "ranks 2 never arrived" in ranks.results[1]["error"], ranks.results[1]
