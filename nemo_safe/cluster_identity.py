@@ -75,17 +75,6 @@ def _key(*parts: object) -> str:
     return sanitize_component("-".join(str(p) for p in parts if p not in (None, "")))
 
 
-def _check(identity: ClusterIdentity) -> ClusterIdentity:
-    if identity.world_size < 1:
-        raise ConfigurationError(f"{identity.launcher}: world size {identity.world_size} must be at least 1")
-    if not 0 <= identity.rank < identity.world_size:
-        raise ConfigurationError(
-            f"{identity.launcher}: rank {identity.rank} is outside world size "
-            f"{identity.world_size}; check the launcher variables of this process"
-        )
-    return identity
-
-
 class Launcher:
     """Base class: ``detect()`` says whether this launcher started us, ``identity()`` reads it."""
 
@@ -98,6 +87,18 @@ class Launcher:
     @classmethod
     def identity(cls, env: Mapping[str, str]) -> ClusterIdentity:
         raise NotImplementedError
+
+    @classmethod
+    def _make(cls, rank: int, local_rank: int, node_rank: int, world_size: int, key: str) -> ClusterIdentity:
+        """Build and validate an identity; launchers only say where the numbers come from."""
+        if world_size < 1:
+            raise ConfigurationError(f"{cls.name}: world size {world_size} must be at least 1")
+        if not 0 <= rank < world_size:
+            raise ConfigurationError(
+                f"{cls.name}: rank {rank} is outside world size {world_size}; "
+                "check the launcher variables of this process"
+            )
+        return ClusterIdentity(cls.name, rank, local_rank, node_rank, world_size, key)
 
 
 class TorchElastic(Launcher):
@@ -121,15 +122,12 @@ class TorchElastic(Launcher):
             f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}",
         )
         node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
-        return _check(
-            ClusterIdentity(
-                cls.name,
-                _int(env, "RANK"),
-                _int(env, "LOCAL_RANK"),
-                node_rank,
-                _int(env, "WORLD_SIZE"),
-                key,
-            )
+        return cls._make(
+            _int(env, "RANK"),
+            _int(env, "LOCAL_RANK"),
+            node_rank,
+            _int(env, "WORLD_SIZE"),
+            key,
         )
 
 
@@ -157,15 +155,12 @@ class Slurm(Launcher):
             env.get("SLURM_JOB_START_TIME"),
         )
         world = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS"))
-        return _check(
-            ClusterIdentity(
-                cls.name,
-                _int(env, "SLURM_PROCID", 0),
-                _int(env, "SLURM_LOCALID", 0),
-                _int(env, "SLURM_NODEID", 0),
-                world,
-                key,
-            )
+        return cls._make(
+            _int(env, "SLURM_PROCID", 0),
+            _int(env, "SLURM_LOCALID", 0),
+            _int(env, "SLURM_NODEID", 0),
+            world,
+            key,
         )
 
 
@@ -186,15 +181,12 @@ class OpenMPI(Launcher):
             or env.get("OMPI_MCA_orte_ess_jobid")
             or env.get("OMPI_MCA_orte_hnp_uri", "")
         )
-        return _check(
-            ClusterIdentity(
-                cls.name,
-                _int(env, "OMPI_COMM_WORLD_RANK"),
-                _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-                _int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
-                _int(env, "OMPI_COMM_WORLD_SIZE"),
-                _key("openmpi", job),
-            )
+        return cls._make(
+            _int(env, "OMPI_COMM_WORLD_RANK"),
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+            _int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
+            _int(env, "OMPI_COMM_WORLD_SIZE"),
+            _key("openmpi", job),
         )
 
 
@@ -215,15 +207,12 @@ class PMIx(Launcher):
                 "PMIx launcher detected (PMIX_RANK is set) but no world size: "
                 "export WORLD_SIZE in the job script or pass world_size explicitly"
             )
-        return _check(
-            ClusterIdentity(
-                cls.name,
-                _int(env, "PMIX_RANK"),
-                _int(env, "PMIX_LOCAL_RANK", 0),
-                _int(env, "PMIX_NODE_RANK", 0),
-                size,
-                _key("pmix", env.get("PMIX_NAMESPACE")),
-            )
+        return cls._make(
+            _int(env, "PMIX_RANK"),
+            _int(env, "PMIX_LOCAL_RANK", 0),
+            _int(env, "PMIX_NODE_RANK", 0),
+            size,
+            _key("pmix", env.get("PMIX_NAMESPACE")),
         )
 
 
