@@ -408,8 +408,13 @@ class Barrier:
                 # Another barrier's rank 0 removed the empty parent just now: retry.
                 if not os.path.isdir(self.root):
                     raise NemoSafeError(
-                        f"{self._where()}: the directory {self.root} does not exist; " "create it before the barrier"
+                        f"{self._where()}: the directory {self.root} does not exist; create it before the barrier"
                     ) from None
+            except OSError as exc:  # read-only, permission denied, disk full, quota
+                raise NemoSafeError(
+                    f"{self._where()}: rank 0 cannot create the barrier directory ({exc}); make {self.root} "
+                    "writable for this job. The other ranks will time out saying rank 0 never started."
+                ) from exc
         raise NemoSafeError(f"{self._where()}: could not create the barrier directory")
 
     def _publish_state(self, phase: str, **extra: Any) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from nemo_safe import Barrier, ConfigurationError, rank_zero_first
+from nemo_safe import Barrier, ConfigurationError, NemoSafeError, rank_zero_first
 from nemo_safe.barrier import _ranges
 
 
@@ -53,3 +55,18 @@ def test_missing_directory_is_named(tmp_path: Path) -> None:
 def test_ranges() -> None:
     assert _ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
     assert _ranges([]) == "none"
+
+
+def test_read_only_directory_is_a_clear_error(tmp_path: Path) -> None:
+    """A read-only bind mount (root ignores permission bits)."""
+    if os.geteuid() != 0 and not os.environ.get("CI"):
+        pytest.skip("needs root to make a read-only bind mount")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], check=True)
+    try:
+        barrier = Barrier(ro, 2, "x", rank=0, attempt_key="k", timeout=1)
+        with pytest.raises(NemoSafeError, match="cannot create the barrier directory.*Read-only"):
+            barrier.gather()
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
