@@ -14,7 +14,7 @@ Public API::
 
 from __future__ import annotations
 
-from nemo_safe import patching
+from nemo_safe import patches, patching
 from nemo_safe.barrier import Barrier, rank_zero_first
 from nemo_safe.cluster_identity import ClusterIdentity
 from nemo_safe.cluster_identity import detect as detect_identity
@@ -56,4 +56,6 @@ def unpatch() -> None:
     patching.disable()
 
 
+for _patch in patches.ALL:
+    patching.register(_patch)
 patch()

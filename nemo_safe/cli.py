@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -51,9 +52,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     print(f"  patching           {state}")
     active = set(patching.active())
     for patch in patching.registered():
-        print(f"  {patch.name:<20} {'active' if patch.name in active else 'waiting for import of ' + patch.module}")
-    if not patching.registered():
-        print("  (no library patches in this version)")
+        try:
+            module = importlib.import_module(patch.module)  # applies the patch through the import hook
+        except ImportError as exc:
+            print(f"  {patch.name:<26} not applicable: {patch.module} cannot be imported ({exc})")
+            continue
+        active = set(patching.active())
+        case = patch.describe(module) if patch.describe else ""
+        print(f"  {patch.name:<26} {'ACTIVE' if patch.name in active else 'inactive'}: {case}")
     print("environment:")
     try:
         ident = cluster_identity.detect()

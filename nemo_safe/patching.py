@@ -30,11 +30,13 @@ Undo = Callable[[], None]
 @dataclass(frozen=True)
 class Patch:
     """``apply(module)`` changes ``module`` in place and returns a function undoing it,
-    or None when it decided not to patch (for example an unknown upstream version)."""
+    or None when it decided not to patch (for example an unknown upstream version).
+    ``describe(module)`` says which case applies, for ``nemo-safe doctor``."""
 
     module: str
     name: str
     apply: Callable[[ModuleType], Undo | None]
+    describe: Callable[[ModuleType], str] | None = None
 
 
 _lock = threading.RLock()

@@ -1,0 +1,11 @@
+"""The library patches nemo_safe applies: one module per patched library function.
+
+Importing this package imports none of the patched libraries.
+"""
+
+from __future__ import annotations
+
+from nemo_safe.patches import nemo_exp_manager
+from nemo_safe.patching import Patch
+
+ALL: tuple[Patch, ...] = (nemo_exp_manager.PATCH,)

@@ -1,0 +1,214 @@
+"""NeMo exp_manager resume under a real srun -N2 --ntasks-per-node=4, with the real NeMo and Lightning.
+
+Each race test has an upstream twin (NEMO_SAFE_DISABLE=1) that must show the race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import clean_env
+
+pytestmark = pytest.mark.slurm
+WORKER = str(Path(__file__).resolve().parent / "nemo_worker.py")
+HANG_GUARD = 600  # 8 NeMo imports on 2 cores take ~40 s; a step still running after this is a hang
+OLD_FILES = 2000
+
+
+def srun(mode: str, tmp: Path, *args: str, nodes: int = 2, per_node: int = 4, **env: str) -> dict[int, dict]:
+    side = tmp / f"side-{len(list(tmp.glob('side-*')))}"
+    side.mkdir()
+    cmd = [
+        "srun",
+        f"-N{nodes}",
+        f"--ntasks-per-node={per_node}",
+        "-J",
+        f"nemo-{mode}",
+        "--kill-on-bad-exit=0",
+        sys.executable,
+        WORKER,
+        mode,
+        "--log-dir",
+        str(tmp / "log"),
+        "--side",
+        str(side),
+        *args,
+    ]
+    run_env = clean_env(NEMO_TESTING="1", MASTER_ADDR="127.0.0.1", **env)
+    out = subprocess.run(cmd, cwd=tmp, env=run_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    results = {}
+    for line in out.stdout.splitlines():
+        if line.startswith('{"rank"'):
+            res = json.loads(line)
+            results[res["rank"]] = res
+    return results
+
+
+def _old_log_dir(tmp: Path) -> dict[str, str]:
+    log = tmp / "log"
+    (log / "checkpoints").mkdir(parents=True)
+    digests = {}
+    for i in range(OLD_FILES):
+        data = f"old file {i}\n".encode() * (1 + i % 7)
+        (log / f"old_{i:04d}.txt").write_bytes(data)
+        digests[f"old_{i:04d}.txt"] = hashlib.sha256(data).hexdigest()
+    (log / "checkpoints" / "model--step=2-last.ckpt").write_text("checkpoint")
+    return digests
+
+
+def test_resume_race_is_gone(slurm_cluster, tmp_path: Path) -> None:
+    digests = _old_log_dir(tmp_path)
+    results = srun("race", tmp_path, "--rank0-delay", "6")
+    assert sorted(results) == list(range(8)), results
+    assert all(r["status"] == "ok" for r in results.values()), results
+    for rank in range(1, 8):
+        assert results[rank]["old_seen"] == 0, f"rank {rank} saw old files after exp_manager returned"
+        assert results[rank]["vanished"] == 0, f"rank {rank} saw entries vanish"
+    last = str(tmp_path / "log" / "checkpoints" / "model--step=2-last.ckpt")
+    assert {r["ckpt_path"] for r in results.values()} == {last}
+    run0 = tmp_path / "log" / "run_0"
+    assert sorted(p.name for p in run0.iterdir()) == sorted(digests), "run_0 must hold exactly the old files"
+    assert all(hashlib.sha256((run0 / n).read_bytes()).hexdigest() == d for n, d in digests.items())
+    logs = sorted(p.name for p in (tmp_path / "log").glob("nemo_log_globalrank-*"))
+    assert len(logs) == 8, f"eight tasks must write eight distinct log files, got {logs}"
+    assert not (tmp_path / "log" / ".nemo_safe").exists(), "the barrier must leave nothing behind"
+
+
+def test_resume_race_upstream_twin(slurm_cluster, tmp_path: Path) -> None:
+    """Same scenario, overlay disabled: the upstream race must show."""
+    _old_log_dir(tmp_path)
+    results = srun("race", tmp_path, "--rank0-delay", "6", NEMO_SAFE_DISABLE="1")
+    assert sorted(results) == list(range(8)), results
+    saw_old = [r for r in range(1, 8) if results[r]["old_seen"] > 0]
+    vanished = {r: results[r]["vanished"] for r in range(1, 8)}
+    assert saw_old == list(range(1, 8)), f"upstream: every non-zero rank returns before the move ({vanished})"
+    archived = [p.name for p in (tmp_path / "log" / "run_0").iterdir() if not p.name.startswith("old_")]
+    assert archived, "upstream archives files of the current run into run_0"
+    logs = list((tmp_path / "log").glob("nemo_log_globalrank-*")) + list(
+        (tmp_path / "log" / "run_0").glob("nemo_log_globalrank-*")
+    )
+    assert len({p.name for p in logs}) < 8, "upstream gives tasks of one node the same log file name"
+
+
+def test_train_then_resume_twice(slurm_cluster, tmp_path: Path) -> None:
+    first = srun("train", tmp_path, "--max-steps", "2")
+    assert {r["global_step"] for r in first.values()} == {2}, first
+    for steps, run_dir in ((4, "run_0"), (6, "run_1")):
+        again = srun("train", tmp_path, "--max-steps", str(steps))
+        assert sorted(again) == list(range(8)), again
+        assert {r["global_step"] for r in again.values()} == {steps}, again
+        ckpts = {r["ckpt_path"] for r in again.values()}
+        assert len(ckpts) == 1 and ckpts.pop().endswith("-last.ckpt")
+        assert (tmp_path / "log" / run_dir / "cmd-args.log").exists()
+        assert max(r["exp_manager_seconds"] for r in again.values()) < 60
+    assert not (tmp_path / "log" / "run_2").exists()
+
+
+def test_task_killed_before_exp_manager(slurm_cluster, tmp_path: Path) -> None:
+    _old_log_dir(tmp_path)
+    results = srun("race", tmp_path, "--die-rank", "5", NEMO_SAFE_BARRIER_TIMEOUT="20")
+    assert 5 not in results
+    assert results[0]["error_type"] == "BarrierTimeout" and "ranks 5 never arrived" in results[0]["error"]
+    for rank in (1, 2, 3, 4, 6, 7):
+        assert results[rank]["error_type"] == "BarrierTimeout", results[rank]
+        assert "ranks 5 never arrived" in results[rank]["error"], results[rank]
+    assert not (tmp_path / "log" / "run_0").exists(), "rank 0 must not move with a rank missing"
+
+
+def test_read_only_log_dir(slurm_cluster, tmp_path: Path) -> None:
+    _old_log_dir(tmp_path)
+    log = tmp_path / "log"
+    subprocess.run(["mount", "--bind", "-o", "ro", str(log), str(log)], check=True)
+    try:
+        results = srun("race", tmp_path, NEMO_SAFE_BARRIER_TIMEOUT="60")
+    finally:
+        subprocess.run(["umount", str(log)], check=True)
+    assert sorted(results) == list(range(8)), results
+    for res in results.values():
+        assert res["error_type"] == "ConfigurationError" and "not writable" in res["error"], res
+
+
+def test_world_size_mismatch(slurm_cluster, tmp_path: Path) -> None:
+    _old_log_dir(tmp_path)
+    results = srun("race", tmp_path, "--devices", "4", "--nodes", "1", nodes=1, per_node=2)
+    assert sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["error_type"] == "ConfigurationError", res
+        assert "num_nodes=1 x devices=4 = 4 processes but slurm started 2" in res["error"], res
+
+
+def test_single_process_is_unchanged(tmp_path: Path) -> None:
+    """No launcher: upstream behaviour, no barrier files."""
+    _old_log_dir(tmp_path)
+    side = tmp_path / "side"
+    side.mkdir()
+    out = subprocess.run(
+        [
+            sys.executable,
+            WORKER,
+            "race",
+            "--log-dir",
+            str(tmp_path / "log"),
+            "--side",
+            str(side),
+            "--devices",
+            "1",
+            "--nodes",
+            "1",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    res = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith('{"rank"')][-1])
+    assert res["status"] == "ok", out.stderr[-2000:]
+    assert len(list((tmp_path / "log" / "run_0").iterdir())) == OLD_FILES
+    assert not (tmp_path / "log" / ".nemo_safe").exists()
+
+
+GUARD_PROGRAM = """
+import importlib.util, logging, sys
+logging.basicConfig()
+spec = importlib.util.spec_from_file_location("nemo.utils.exp_manager", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+sys.modules["nemo.utils.exp_manager"] = module
+spec.loader.exec_module(module)
+original = module.check_resume
+import nemo_safe
+from nemo_safe import patching
+print(module.check_resume is original, patching.active())
+"""
+
+
+def test_unknown_nemo_version_is_left_untouched(tmp_path: Path) -> None:
+    """The real exp_manager.py with one changed line in check_resume: one warning, no patch."""
+    import importlib.util
+
+    real = Path(importlib.util.find_spec("nemo").submodule_search_locations[0]) / "utils" / "exp_manager.py"
+    text = real.read_text()
+    marker = "            new_run_dir.mkdir()\n"
+    assert marker in text
+    changed = tmp_path / "exp_manager.py"
+    changed.write_text(text.replace(marker, "            new_run_dir.mkdir(exist_ok=True)\n"))
+    out = subprocess.run(
+        [sys.executable, "-c", GUARD_PROGRAM, str(changed)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "True []", out.stderr[-2000:]
+    assert out.stderr.count("does not match a NeMo release nemo_safe knows") == 1
+
+
+def test_doctor_shows_the_nemo_case() -> None:
+    nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
+    out = subprocess.run([nemo_safe_cli, "doctor"], env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
+    assert "nemo-exp-manager-resume    ACTIVE: check_resume matches nemo_toolkit 2.7.3 / 3.0.0" in out.stdout
