@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from importlib import metadata
+from pathlib import Path
 
 from nemo_safe import __version__, cluster_identity, patching, selftest
 from nemo_safe.errors import NemoSafeError
@@ -32,6 +34,24 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     report["launcher"] = f"none: {args.procs} local processes with torchrun-style variables"
     print(selftest.format_report(report), flush=True)
     return 0 if report["all_saw_rank0_work"] else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from nemo_safe import demo
+
+    if args.member:
+        result = demo.run_member(Path(args.log_dir), Path(args.side), args.devices, args.nodes, args.rank0_delay)
+        print(json.dumps(result), flush=True)
+        return 0 if result["status"] == "ok" else 1
+    use_slurm = False if args.local else None
+    workdir = Path(args.dir) if args.dir else None
+    with tempfile.TemporaryDirectory(prefix="nemo_safe_demo_", dir=workdir) as tmp:
+        where, variants = demo.run(
+            Path(tmp), args.old_files, args.rank0_delay, args.nodes, args.tasks_per_node, use_slurm
+        )
+    world = (args.nodes if where.startswith("srun") else 1) * args.tasks_per_node
+    print(demo.format_table(where, variants, world, args.old_files, args.rank0_delay), flush=True)
+    return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -92,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--work-seconds", type=float, default=0.5, help="how long rank 0 works inside the barrier")
     st.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
     st.set_defaults(func=_cmd_selftest)
+    dm = sub.add_parser("demo", help="NeMo's exp_manager resume race, upstream vs nemo_safe, side by side")
+    dm.add_argument("--dir", help="where the demo's log dirs go (shared by all nodes under SLURM; default: a temp dir)")
+    dm.add_argument("--nodes", type=int, default=2, help="SLURM nodes (default 2)")
+    dm.add_argument("--tasks-per-node", type=int, default=4, help="tasks (devices) per node (default 4)")
+    dm.add_argument("--old-files", type=int, default=2000, help="old files in log_dir (default 2000)")
+    dm.add_argument("--rank0-delay", type=float, default=6.0, help="seconds rank 0 starts late (default 6)")
+    dm.add_argument("--local", action="store_true", help="use local processes even if SLURM is reachable")
+    dm.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
+    dm.add_argument("--log-dir", help=argparse.SUPPRESS)
+    dm.add_argument("--side", help=argparse.SUPPRESS)
+    dm.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
+    dm.set_defaults(func=_cmd_demo)
     doc = sub.add_parser("doctor", help="show versions, active patches and the detected environment")
     doc.set_defaults(func=_cmd_doctor)
     return parser
@@ -102,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
-    if getattr(args, "procs", 1) < 1:
-        print("nemo-safe: --procs must be at least 1", file=sys.stderr)
+    for name in ("procs", "nodes", "tasks_per_node"):
+        if getattr(args, name, 1) < 1:
+            print(f"nemo-safe: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if getattr(args, "old_files", 0) < 0 or getattr(args, "rank0_delay", 0) < 0:
+        print("nemo-safe: --old-files and --rank0-delay must not be negative", file=sys.stderr)
         return 2
     if getattr(args, "dir", None) and not os.path.isdir(args.dir):
         print(f"nemo-safe: --dir {args.dir} is not an existing directory", file=sys.stderr)

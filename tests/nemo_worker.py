@@ -1,9 +1,9 @@
 """One rank of a NeMo exp_manager job, run for real under srun (or with launcher variables).
 
 Modes:
-  race   exp_manager on a log_dir full of old files; rank 0 enters late. Non-zero
-         ranks then watch log_dir (listdir + stat) until rank 0 is done, and report
-         the old files they saw and the entries that vanished under them.
+  race   the member of ``nemo-safe demo``: exp_manager on a log_dir full of old
+         files, rank 0 entering late; non-zero ranks then watch log_dir (listdir +
+         stat) until rank 0 is done and report old files seen and entries vanished.
   train  exp_manager + a real two-step-per-epoch Lightning fit on CPU (gloo DDP),
          resuming from the last checkpoint when there is one.
 
@@ -23,35 +23,6 @@ from pathlib import Path
 import nemo_safe
 
 
-def _gate(side: Path, rank: int, world: int, name: str) -> None:
-    """Line all ranks up after their slow imports, so that the start skew is exactly what the test sets."""
-    (side / f"{name}.{rank}").write_text("x")
-    deadline = time.monotonic() + 600
-    while len([p for p in side.iterdir() if p.name.startswith(name + ".")]) < world:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"gate {name}: not all {world} ranks arrived")
-        time.sleep(0.05)
-
-
-def _watch(log_dir: Path, done: Path) -> tuple[int, int]:
-    """List and stat log_dir until rank 0 is done: (old files seen, entries that vanished)."""
-    old_seen, vanished = 0, 0
-    final = False
-    while True:
-        finished = done.exists()
-        names = os.listdir(log_dir)
-        old_seen = max(old_seen, sum(1 for n in names if n.startswith("old_")))
-        for n in names:
-            try:
-                os.stat(log_dir / n)
-            except FileNotFoundError:
-                vanished += 1
-        if final:
-            return old_seen, vanished
-        final = finished
-        time.sleep(0.02)
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["race", "train"])
@@ -61,84 +32,78 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rank0-delay", type=float, default=0.0)
     p.add_argument("--max-steps", type=int, default=2)
-    p.add_argument("--die-rank", type=int, help="this rank exits before exp_manager (a task that died)")
+    p.add_argument("--die-rank", type=int, help="this rank exits after its imports, before exp_manager")
     args = p.parse_args()
+    ident = nemo_safe.detect_identity()
+    side, log_dir = Path(args.side), Path(args.log_dir)
+
+    if args.mode == "race":
+        # The same member as `nemo-safe demo`; the tests check its report and the files independently.
+        from nemo_safe import demo
+
+        if args.die_rank == ident.rank:
+            import nemo.utils.exp_manager  # noqa: F401  (die after the same slow imports as the others)
+
+            demo._gate(side, ident.rank, ident.world_size, "imported")
+            os._exit(17)
+        result = demo.run_member(log_dir, side, args.devices, args.nodes, args.rank0_delay)
+        print(json.dumps(result), flush=True)
+        return 0 if result["status"] == "ok" else 3
 
     import lightning.pytorch as pl
     import torch
     from nemo.utils.exp_manager import exp_manager
 
-    ident = nemo_safe.detect_identity()
-    rank = ident.rank
-    side, log_dir = Path(args.side), Path(args.log_dir)
-    result: dict = {"rank": rank, "status": "ok"}
-    trainer_kwargs = dict(
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(
         devices=args.devices,
         num_nodes=args.nodes,
         accelerator="cpu",
+        strategy="ddp",
+        max_steps=args.max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    cfg: dict = {
+    cfg = {
         "explicit_log_dir": str(log_dir),
         "resume_if_exists": True,
         "resume_ignore_no_checkpoint": True,
         "create_tensorboard_logger": False,
-    }
-    if args.mode == "race":
-        trainer = pl.Trainer(**trainer_kwargs)
-        cfg["create_checkpoint_callback"] = False
-    else:
-        trainer = pl.Trainer(strategy="ddp", max_steps=args.max_steps, **trainer_kwargs)
-        cfg["checkpoint_callback_params"] = {
+        "checkpoint_callback_params": {
             "monitor": "step",
             "mode": "max",
             "save_top_k": 1,
             "save_last": True,
             "save_nemo_on_train_end": False,
             "always_save_nemo": False,
-        }
-    _gate(side, rank, ident.world_size, "imported")
-    if args.die_rank == rank:
-        os._exit(17)
-    if rank == 0:
-        time.sleep(args.rank0_delay)
+        },
+    }
+    result: dict = {"rank": ident.rank, "status": "ok"}
     started = time.monotonic()
     try:
         exp_manager(trainer, cfg)
     except Exception as exc:
-        import traceback
-
-        traceback.print_exc()
         result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:2000])
         print(json.dumps(result), flush=True)
         return 3
     result["exp_manager_seconds"] = time.monotonic() - started
     result["ckpt_path"] = str(trainer.ckpt_path) if trainer.ckpt_path else None
-    if args.mode == "race":
-        if rank == 0:
-            (side / "rank0_done").write_text("x")
-        else:
-            result["old_seen"], result["vanished"] = _watch(log_dir, side / "rank0_done")
-    else:
-
-        class Tiny(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.layer = torch.nn.Linear(4, 1)
-
-            def training_step(self, batch, batch_idx):
-                return self.layer(batch[0]).pow(2).mean()
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        torch.manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 4))
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
-        result["global_step"] = trainer.global_step
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+    result["global_step"] = trainer.global_step
     print(json.dumps(result), flush=True)
     return 0
 
