@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_safe import local_ranks
 from nemo_safe.errors import NemoSafeError
 
 RESULT_PREFIX = '{"rank"'
@@ -183,8 +184,8 @@ def run(
             "--rank0-delay",
             str(rank0_delay),
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
-        env.update(NEMO_SAFE_DISABLE=disable, NEMO_TESTING="1", MASTER_ADDR=env.get("MASTER_ADDR", "127.0.0.1"))
+        # NEMO_TESTING: 3.0.0 writes its per-rank log files only then (2.7.3 always does).
+        overrides = {"NEMO_SAFE_DISABLE": disable, "NEMO_TESTING": "1"}
         if use_slurm:
             cmd = [
                 "srun",
@@ -195,26 +196,12 @@ def run(
                 "--kill-on-bad-exit=0",
                 *member,
             ]
+            env = {**local_ranks.without_launchers(os.environ), **overrides}
+            env.setdefault("MASTER_ADDR", "127.0.0.1")  # Lightning's DDP rendezvous if the member trains
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             stdout = out.stdout
         else:
-            env.update(
-                WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world),
-                TORCHELASTIC_RUN_ID=f"demo-{base.name}",
-                GROUP_RANK="0",
-                MASTER_PORT="29500",
-            )
-            procs = [
-                subprocess.Popen(
-                    member,
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                )
-                for r in range(world)
-            ]
+            procs = local_ranks.start(member, world, overrides, stderr=subprocess.DEVNULL)
             stdout = "".join(p.communicate(timeout=3600)[0] for p in procs)
         run0 = log_dir / "run_0"
         moved = [p.name for p in run0.iterdir()] if run0.is_dir() else []

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from nemo_safe import cluster_identity
+from nemo_safe import cluster_identity, local_ranks
 from nemo_safe.atomic_files import publish, read_if_exists, unlink_if_exists
 from nemo_safe.barrier import rank_zero_first
 from nemo_safe.errors import NemoSafeError
@@ -110,14 +108,6 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
     """Start ``procs`` local members with torchrun-style variables and return rank 0's report."""
     with tempfile.TemporaryDirectory(prefix="nemo_safe_selftest_") as tmp:
         target = directory or tmp
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
-        env.update(
-            WORLD_SIZE=str(procs),
-            TORCHELASTIC_RUN_ID=f"selftest-{secrets.token_hex(6)}",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="0",
-            GROUP_RANK="0",
-        )
         args = [
             sys.executable,
             "-m",
@@ -131,16 +121,7 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
         ]
         if timeout is not None:
             args += ["--timeout", str(timeout)]
-        children = [
-            subprocess.Popen(
-                args,
-                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(procs)
-        ]
+        children = local_ranks.start(args, procs)
         outputs = [c.communicate() for c in children]
         failed = [(r, err) for r, (c, (_, err)) in enumerate(zip(children, outputs, strict=True)) if c.returncode]
         if failed:

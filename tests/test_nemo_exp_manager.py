@@ -212,3 +212,29 @@ def test_doctor_shows_the_nemo_case() -> None:
     nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
     out = subprocess.run([nemo_safe_cli, "doctor"], env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
     assert "nemo-exp-manager-resume    ACTIVE: check_resume matches nemo_toolkit 2.7.3 / 3.0.0" in out.stdout
+
+
+IMPORT_ORDER_PROGRAM = """
+import sys
+order = sys.argv[1]
+if order == "nemo-first":
+    import nemo.utils.exp_manager as em
+import nemo_safe
+import nemo.utils.exp_manager as em
+print(em.check_resume.__name__, hasattr(em.check_resume, "__wrapped__"), type(em.time).__name__)
+nemo_safe.unpatch()
+print(hasattr(em.check_resume, "__wrapped__"), type(em.time).__name__)
+"""
+
+
+@pytest.mark.parametrize("order", ["nemo-safe-first", "nemo-first"])
+def test_patch_whatever_the_import_order(order: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_ORDER_PROGRAM, order],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    lines = out.stdout.strip().splitlines()[-2:]
+    assert lines == ["check_resume True _SleepGate", "False module"], out.stderr[-2000:]
