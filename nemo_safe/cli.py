@@ -70,12 +70,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         else ("enabled" if patching.is_enabled() else "not enabled")
     )
     print(f"  patching           {state}")
-    active = set(patching.active())
     for patch in patching.registered():
         try:
             module = importlib.import_module(patch.module)  # applies the patch through the import hook
-        except ImportError as exc:
-            print(f"  {patch.name:<26} not applicable: {patch.module} cannot be imported ({exc})")
+        except Exception as exc:  # an absent library, or one that fails to import here
+            reason = f"{type(exc).__name__}: {exc}"
+            print(f"  {patch.name:<26} not applicable: {patch.module} cannot be imported ({reason})")
             continue
         active = set(patching.active())
         case = patch.describe(module) if patch.describe else ""
