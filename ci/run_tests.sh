@@ -35,6 +35,8 @@ echo "run_tests: ruff"
 echo "run_tests: pytest (nemo_toolkit 3.0.0)"
 .venv/bin/python -m pytest tests "$@"
 echo "run_tests: pytest, NeMo tests again (nemo_toolkit 2.7.3)"
+# (the demo command and Lightning's local launcher do not depend on the NeMo release: run once, above)
 status=0
-.venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py "$@" || status=$?
+.venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py -k "not demo_command and not local_launcher" "$@" \
+    || status=$?
 [ "$status" = 0 ] || [ "$status" = 5 ]  # 5: the extra arguments selected no NeMo test

@@ -126,7 +126,6 @@ class Variant:
     name: str
     results: dict[int, dict[str, Any]]
     archived_current: int
-    run0_old: int
 
     def row(self, world: int) -> str:
         waiters = [self.results[r] for r in range(1, world) if r in self.results]
@@ -197,22 +196,20 @@ def run(
                 *member,
             ]
             env = {**local_ranks.without_launchers(os.environ), **overrides}
-            env.setdefault("MASTER_ADDR", "127.0.0.1")  # Lightning's DDP rendezvous if the member trains
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             stdout = out.stdout
+            if not parse_results(stdout):
+                tail = "\n".join(out.stderr.strip().splitlines()[-5:])
+                raise NemoSafeError(
+                    f"demo: `{' '.join(cmd[:5])} ...` produced no result (exit {out.returncode}):\n"
+                    f"{tail}\nUse --nodes/--tasks-per-node to fit your partition, or --local."
+                )
         else:
             procs = local_ranks.start(member, world, overrides, stderr=subprocess.DEVNULL)
             stdout = "".join(p.communicate(timeout=3600)[0] for p in procs)
         run0 = log_dir / "run_0"
         moved = [p.name for p in run0.iterdir()] if run0.is_dir() else []
-        variants.append(
-            Variant(
-                name,
-                parse_results(stdout),
-                sum(1 for n in moved if not n.startswith(OLD_PREFIX)),
-                sum(1 for n in moved if n.startswith(OLD_PREFIX)),
-            )
-        )
+        variants.append(Variant(name, parse_results(stdout), sum(1 for n in moved if not n.startswith(OLD_PREFIX))))
         shutil.rmtree(base, ignore_errors=True)
     where = (
         f"srun -N{nodes} --ntasks-per-node={tasks_per_node} (real SLURM step)"

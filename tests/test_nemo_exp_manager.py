@@ -238,3 +238,50 @@ def test_patch_whatever_the_import_order(order: str) -> None:
     )
     lines = out.stdout.strip().splitlines()[-2:]
     assert lines == ["check_resume True _SleepGate", "False module"], out.stderr[-2000:]
+
+
+def test_demo_command_local() -> None:
+    """The README's main job, on local processes: the upstream row shows the race, ours does not."""
+    nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
+    cmd = [nemo_safe_cli, "demo", "--local", "--tasks-per-node", "2", "--old-files", "200"]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.stdout.splitlines()
+        if line.startswith("| upstream") or line.startswith("| with")
+    }
+    assert rows["upstream NeMo"][1] == "1 of 1", out.stdout  # returned while the old files were still there
+    assert int(rows["upstream NeMo"][2]) > 0, out.stdout  # current-run files archived
+    assert rows["with nemo_safe"][:3] == ["0 of 1", "0 of 1", "0"], out.stdout
+
+
+@pytest.mark.parametrize("how", ["plain process", "interactive SLURM shell (job named bash)"])
+def test_lightning_local_launcher_never_deadlocks(how: str, tmp_path: Path, request) -> None:
+    """One process with devices=2: Lightning starts rank 1 only in fit(), which runs exp_manager again.
+    Neither process is under a multi-process launcher, so there is no barrier to wait on."""
+    side = tmp_path / "side"
+    side.mkdir()
+    cmd = [
+        sys.executable,
+        WORKER,
+        "train",
+        "--log-dir",
+        str(tmp_path / "log"),
+        "--side",
+        str(side),
+        "--devices",
+        "2",
+        "--nodes",
+        "1",
+        "--max-steps",
+        "2",
+    ]
+    if how.startswith("interactive"):
+        request.getfixturevalue("slurm_cluster")
+        cmd = ["srun", "-N1", "-n1", "-J", "bash", *cmd]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
+    results = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith('{"rank"')]
+    assert out.returncode == 0 and results, out.stderr[-3000:]
+    assert {r["global_step"] for r in results} == {2}, results
+    assert not (tmp_path / "log" / ".nemo_safe").exists()
