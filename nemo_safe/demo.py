@@ -69,6 +69,29 @@ def _watch(log_dir: Path, done: Path) -> tuple[int, int]:
         time.sleep(0.02)
 
 
+def cpu_trainer_kwargs(devices: int, nodes: int) -> dict[str, Any]:
+    """A quiet CPU Trainer; exp_manager adds its own logger and checkpointing."""
+    return {
+        "devices": devices,
+        "num_nodes": nodes,
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+
+
+def resume_cfg(log_dir: Path) -> dict[str, Any]:
+    """exp_manager settings of a job that resumes in ``log_dir`` whenever it holds a checkpoint."""
+    return {
+        "explicit_log_dir": str(log_dir),
+        "resume_if_exists": True,
+        "resume_ignore_no_checkpoint": True,
+        "create_tensorboard_logger": False,
+    }
+
+
 def run_member(log_dir: Path, side: Path, devices: int, nodes: int, rank0_delay: float) -> dict[str, Any]:
     """One rank: exp_manager on ``log_dir`` (resume), timed; non-zero ranks then watch ``log_dir``."""
     import lightning.pytorch as pl
@@ -77,22 +100,8 @@ def run_member(log_dir: Path, side: Path, devices: int, nodes: int, rank0_delay:
     from nemo_safe import cluster_identity
 
     ident = cluster_identity.detect()
-    trainer = pl.Trainer(
-        devices=devices,
-        num_nodes=nodes,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    cfg = {
-        "explicit_log_dir": str(log_dir),
-        "resume_if_exists": True,
-        "resume_ignore_no_checkpoint": True,
-        "create_tensorboard_logger": False,
-        "create_checkpoint_callback": False,
-    }
+    trainer = pl.Trainer(**cpu_trainer_kwargs(devices, nodes))
+    cfg = {**resume_cfg(log_dir), "create_checkpoint_callback": False}
     _gate(side, ident.rank, ident.world_size, "imported")
     if ident.rank == 0:
         time.sleep(rank0_delay)

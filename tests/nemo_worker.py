@@ -65,31 +65,18 @@ def main() -> int:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    trainer = pl.Trainer(
-        devices=args.devices,
-        num_nodes=args.nodes,
-        accelerator="cpu",
-        strategy="ddp",
-        max_steps=args.max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    cfg = {
-        "explicit_log_dir": str(log_dir),
-        "resume_if_exists": True,
-        "resume_ignore_no_checkpoint": True,
-        "create_tensorboard_logger": False,
-        "checkpoint_callback_params": {
-            "monitor": "step",
-            "mode": "max",
-            "save_top_k": 1,
-            "save_last": True,
-            "save_nemo_on_train_end": False,
-            "always_save_nemo": False,
-        },
+    from nemo_safe.demo import cpu_trainer_kwargs, resume_cfg
+
+    trainer = pl.Trainer(strategy="ddp", max_steps=args.max_steps, **cpu_trainer_kwargs(args.devices, args.nodes))
+    checkpointing = {
+        "monitor": "step",
+        "mode": "max",
+        "save_top_k": 1,
+        "save_last": True,
+        "save_nemo_on_train_end": False,
+        "always_save_nemo": False,
     }
+    cfg = {**resume_cfg(log_dir), "checkpoint_callback_params": checkpointing}
     result: dict = {"rank": ident.rank, "status": "ok"}
     started = time.monotonic()
     try:
