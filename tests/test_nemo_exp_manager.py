@@ -281,7 +281,12 @@ def test_lightning_local_launcher_never_deadlocks(how: str, tmp_path: Path, requ
         request.getfixturevalue("slurm_cluster")
         cmd = ["srun", "-N1", "-n1", "-J", "bash", *cmd]
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
-    results = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith('{"rank"')]
-    assert out.returncode == 0 and results, out.stderr[-3000:]
+    # Two processes (Lightning's child inherits stdout) print a result each; parse every object found.
+    decoder, results, at = json.JSONDecoder(), [], out.stdout.find('{"rank"')
+    while at != -1:
+        obj, end = decoder.raw_decode(out.stdout, at)
+        results.append(obj)
+        at = out.stdout.find('{"rank"', end)
+    assert out.returncode == 0 and len(results) == 2, (out.stdout[-2000:], out.stderr[-3000:])
     assert {r["global_step"] for r in results} == {2}, results
     assert not (tmp_path / "log" / ".nemo_safe").exists()
