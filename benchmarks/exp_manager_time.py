@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp:
-                where, variants = demo.run(
+                where, _world, variants = demo.run(
                     Path(tmp), old_files, 0.0, args.nodes, args.tasks_per_node, False if args.local else None
                 )
             for v in variants:

@@ -46,10 +46,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     use_slurm = False if args.local else None
     workdir = Path(args.dir) if args.dir else None
     with tempfile.TemporaryDirectory(prefix="nemo_safe_demo_", dir=workdir) as tmp:
-        where, variants = demo.run(
+        where, world, variants = demo.run(
             Path(tmp), args.old_files, args.rank0_delay, args.nodes, args.tasks_per_node, use_slurm
         )
-    world = (args.nodes if where.startswith("srun") else 1) * args.tasks_per_node
     print(demo.format_table(where, variants, world, args.old_files, args.rank0_delay), flush=True)
     return 0
 

@@ -159,8 +159,8 @@ def _slurm_available() -> bool:
 
 def run(
     workdir: Path, old_files: int | None, rank0_delay: float, nodes: int, tasks_per_node: int, use_slurm: bool | None
-) -> tuple[str, list[Variant]]:
-    """Run upstream then nemo_safe; returns the launcher description and both variants.
+) -> tuple[str, int, list[Variant]]:
+    """Run upstream then nemo_safe; returns the launcher description, the world size and both variants.
     ``use_slurm`` None means: a real srun step when a SLURM cluster answers."""
     reason = "--local"
     if use_slurm is None:
@@ -225,7 +225,7 @@ def run(
         if use_slurm
         else f"{world} local processes with torchrun-style variables ({reason})"
     )
-    return where, variants
+    return where, world, variants
 
 
 def format_table(where: str, variants: list[Variant], world: int, old_files: int, rank0_delay: float) -> str:
