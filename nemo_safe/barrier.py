@@ -195,6 +195,7 @@ class Barrier:
         attempt_key: str | None = None,
         timeout: float | None = None,
         poll_max: float | None = None,
+        keep_parent: bool = False,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigurationError(f"barrier {name!r}: world_size must be an int >= 1, got {world_size!r}")
@@ -222,6 +223,10 @@ class Barrier:
         self.root = os.path.abspath(os.fspath(directory))
         seq = _next_sequence(self.root, self.name, self.attempt_key)
         self.parent = os.path.join(self.root, BARRIER_DIRNAME)
+        #: Leave the (empty) hidden parent after success. For directories other ranks keep
+        #: listing and stat-ing (NeMo's log_dir): removing it would be an entry vanishing
+        #: between their listdir and stat, the very race the overlay removes.
+        self.keep_parent = keep_parent
         self.path = os.path.join(self.parent, f"{self.name}.{self.attempt_key}.{seq}")
         self.nonce = secrets.token_hex(8)
         self.host = socket.gethostname()
@@ -548,8 +553,9 @@ class Barrier:
                 log.warning("%s: ranks did not collect the outcome; leaving %s", self._where(), self.path)
                 return
             unlink_if_exists(os.path.join(self.path, STATE_NAME))
-            for path in (self.path, self.parent):
-                os.rmdir(path)
+            os.rmdir(self.path)
+            if not self.keep_parent:
+                os.rmdir(self.parent)
         except OSError:
             pass  # not empty (another barrier, or leftovers of an earlier attempt): not ours
         finally:

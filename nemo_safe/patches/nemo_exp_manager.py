@@ -133,7 +133,9 @@ def _make_safe_check_resume(original: Callable[..., Any], gate: _SleepGate) -> C
             )
         if ident.rank == 0:
             root.mkdir(parents=True, exist_ok=True)  # upstream creates it right after check_resume
-        with rank_zero_first(root, ident.world_size, BARRIER_NAME, rank=ident.rank, attempt_key=ident.attempt_key):
+        with rank_zero_first(
+            root, ident.world_size, BARRIER_NAME, rank=ident.rank, attempt_key=ident.attempt_key, keep_parent=True
+        ):
             result = original(trainer, log_dir, *args, **kwargs)
         gate.arm(ident.rank != 0)
         return result
