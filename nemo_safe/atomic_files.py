@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import socket
+import time
 
 TMP_PREFIX = ".tmp."
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -64,3 +67,58 @@ def unlink_if_exists(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+_OWNER_SEP = "~"
+
+
+def owned_temp_name(final_name: str) -> str:
+    """A temporary sibling name that also says who writes it (host and pid), so that
+    :func:`sweep_stale_temps` can tell a dead writer's leftover from live work."""
+    host = socket.gethostname().replace(_OWNER_SEP, "-")
+    return f"{TMP_PREFIX}{final_name}{_OWNER_SEP}{host}{_OWNER_SEP}{os.getpid()}{_OWNER_SEP}{secrets.token_hex(4)}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def sweep_stale_temps(directory: str, max_age: float = 24 * 3600.0) -> list[str]:
+    """Remove temporaries of :func:`owned_temp_name` whose writer is gone: on this host
+    when its pid no longer exists, on other hosts once untouched for ``max_age``
+    (mtimes lag across hosts on some filesystems, hence the generous age).
+    Returns the names removed. They were never published, so nothing else refers to them."""
+    host = socket.gethostname().replace(_OWNER_SEP, "-")
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not name.startswith(TMP_PREFIX) or name.count(_OWNER_SEP) < 3:
+            continue
+        _, owner, pid, _ = name.rsplit(_OWNER_SEP, 3)
+        path = os.path.join(directory, name)
+        try:
+            if owner == host and pid.isdigit():
+                stale = not pid_alive(int(pid))
+            else:
+                stale = now - os.lstat(path).st_mtime > max_age
+            if not stale:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    return removed

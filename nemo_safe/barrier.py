@@ -115,7 +115,7 @@ class Backoff:
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
 
-class _Progress:
+class Progress:
     """Rate-limits the 'still waiting' log line."""
 
     def __init__(self, every: float = PROGRESS_EVERY) -> None:
@@ -286,7 +286,7 @@ class Barrier:
         if self.rank == 0:
             raise ConfigurationError(f"{self._where()}: rank 0 must call gather()/release(), not wait()")
         self._check_real_dir(self.parent, missing_ok=True)
-        progress = _Progress()
+        progress = Progress()
         backoff = Backoff(self.poll_max)
         deadline = time.monotonic() + self.timeout
         answered: dict[str, str] = {}  # session -> arrival file we wrote
@@ -479,7 +479,7 @@ class Barrier:
         self._make_dirs()
         self._session = secrets.token_hex(8)
         self._publish_state("collect")
-        progress = _Progress()
+        progress = Progress()
         # Rank 0 is the only lister, so it can afford to poll faster than the waiters.
         backoff = Backoff(max(POLL_MIN, self.poll_max / RANK0_POLL_SPEEDUP))
         deadline = time.monotonic() + self.timeout

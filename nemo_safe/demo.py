@@ -40,7 +40,7 @@ def make_old_log_dir(log_dir: Path, old_files: int | None) -> None:
     (log_dir / "checkpoints" / "model--step=2-last.ckpt").write_text("checkpoint")
 
 
-def _gate(side: Path, rank: int, world: int, name: str, timeout: float = 900) -> None:
+def start_gate(side: Path, rank: int, world: int, name: str, timeout: float = 900) -> None:
     """Line all ranks up after their slow imports, so the start skew is exactly the one asked for."""
     (side / f"{name}.{rank}").write_text("x")
     deadline = time.monotonic() + timeout
@@ -102,7 +102,7 @@ def run_member(log_dir: Path, side: Path, devices: int, nodes: int, rank0_delay:
     ident = cluster_identity.detect()
     trainer = pl.Trainer(**cpu_trainer_kwargs(devices, nodes))
     cfg = {**resume_cfg(log_dir), "create_checkpoint_callback": False}
-    _gate(side, ident.rank, ident.world_size, "imported")
+    start_gate(side, ident.rank, ident.world_size, "imported")
     if ident.rank == 0:
         time.sleep(rank0_delay)
     result: dict[str, Any] = {"rank": ident.rank, "status": "ok"}

@@ -33,3 +33,27 @@ class RankZeroFailed(NemoSafeError):
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_message = remote_message
+
+
+class LeaderFailed(NemoSafeError):
+    """The process that did a shared job (a dataset download) for the others failed;
+    raised in every process that was waiting for it, with the leader's message."""
+
+    def __init__(self, message: str, remote_type: str = "", remote_message: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+
+
+class WaitTimeout(NemoSafeError, TimeoutError):
+    """A process waited longer than its timeout for another process's shared job."""
+
+
+class DownloadIncomplete(NemoSafeError):
+    """A download ended before all announced bytes arrived; nothing was published.
+
+    A RuntimeError, so torchvision's mirror loops go on to the next mirror."""
+
+
+class ChecksumMismatch(NemoSafeError):
+    """Downloaded bytes do not have the expected md5; nothing was published."""

@@ -44,7 +44,7 @@ def main() -> int:
         if args.die_rank == ident.rank:
             import nemo.utils.exp_manager  # noqa: F401  (die after the same slow imports as the others)
 
-            demo._gate(side, ident.rank, ident.world_size, "imported")
+            demo.start_gate(side, ident.rank, ident.world_size, "imported")
             os._exit(17)
         result = demo.run_member(log_dir, side, args.devices, args.nodes, args.rank0_delay)
         print(json.dumps(result), flush=True)

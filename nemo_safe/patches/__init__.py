@@ -5,7 +5,7 @@ Importing this package imports none of the patched libraries.
 
 from __future__ import annotations
 
-from nemo_safe.patches import nemo_exp_manager
+from nemo_safe.patches import nemo_exp_manager, torchvision_downloads, torchvision_mnist
 from nemo_safe.patching import Patch
 
-ALL: tuple[Patch, ...] = (nemo_exp_manager.PATCH,)
+ALL: tuple[Patch, ...] = (nemo_exp_manager.PATCH, *torchvision_downloads.PATCHES, torchvision_mnist.PATCH)

@@ -1,0 +1,292 @@
+"""torchvision dataset downloads and extractions publish every file atomically.
+
+torchvision 0.29.1 streams a download straight into its final path
+(``_urlretrieve`` opens it "wb", truncating it for every other process that
+reads or writes it), and ``_decompress`` opens the final raw file "wb" before
+decompressing into memory; the tar/zip extractors write in place too. So a
+second process, or a killed one, leaves empty or truncated files behind.
+
+Here every one of those files is written under a temporary name in its own
+directory (``.tmp.<name>~<host>~<pid>~<random>``) and renamed into place only
+when complete: all announced bytes arrived and, when the caller gave an md5,
+the md5 matches. Temporaries of dead writers are swept on the next write into
+that directory, never published.
+
+Patched are the names the helpers look up at call time in
+``torchvision.datasets.utils`` (``_urlretrieve``, ``_decompress``, the entries
+of ``_ARCHIVE_EXTRACTORS``) plus every ``download_url`` binding: dataset
+modules import ``download_url`` by name, and it is the one place that knows
+the md5 before the file is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import http.client
+import inspect
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import threading
+import urllib.request
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from nemo_safe.atomic_files import owned_temp_name, sweep_stale_temps, unlink_if_exists
+from nemo_safe.errors import ChecksumMismatch, DownloadIncomplete
+from nemo_safe.patching import Patch, Undo
+
+log = logging.getLogger(__name__)
+
+MODULE = "torchvision.datasets.utils"
+PACKAGE = "torchvision.datasets"
+CHECKED = ("_urlretrieve", "_decompress", "download_url", "extract_archive", "_extract_tar", "_extract_zip")
+
+#: sha256 over the sources of CHECKED, for the releases this patch was verified against.
+KNOWN_UTILS = {
+    "b154c4821097b883741abdea9ca7ddfa261513ab9905bea0442c29c921b7f6f3": "torchvision 0.29.1",
+}
+
+_expected = threading.local()
+_ORIGINAL_DECOMPRESS: list[Callable[..., Any]] = []
+
+
+def source_digest(module: ModuleType) -> str:
+    h = hashlib.sha256()
+    for name in CHECKED:
+        h.update(inspect.getsource(getattr(module, name)).encode())
+    return h.hexdigest()
+
+
+def recognise(module: ModuleType) -> str | None:
+    try:
+        return KNOWN_UTILS.get(source_digest(module))
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def expecting_md5(path: str, md5: str | None) -> Iterator[None]:
+    """Tell the download of ``path`` in this thread which md5 it must have before it is published."""
+    table: dict[str, str | None] = getattr(_expected, "table", None) or {}
+    _expected.table = table
+    previous = table.get(path)
+    table[path] = md5
+    try:
+        yield
+    finally:
+        if previous is None:
+            table.pop(path, None)
+        else:
+            table[path] = previous
+
+
+def _md5_for(path: str) -> str | None:
+    return (getattr(_expected, "table", None) or {}).get(path)
+
+
+def _temp_for(final: str) -> str:
+    directory, name = os.path.split(final)
+    sweep_stale_temps(directory)
+    return os.path.join(directory, owned_temp_name(name))
+
+
+def _seal(tmp: str, final: str) -> None:
+    """Make the complete temporary durable, then the final name."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def urlretrieve(url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32) -> None:
+    """``utils._urlretrieve``, published atomically and checked against the announced size and md5."""
+    utils = sys.modules[MODULE]
+    final = os.path.abspath(os.fspath(filename))
+    tmp = _temp_for(final)
+    digest = hashlib.md5(usedforsecurity=False)
+    received = 0
+    try:
+        request = urllib.request.Request(url, headers={"User-Agent": utils.USER_AGENT})
+        with urllib.request.urlopen(request) as response:
+            announced = response.length
+            with open(tmp, "xb") as fh, utils.tqdm(total=announced, unit="B", unit_scale=True) as pbar:
+                try:
+                    while chunk := response.read(chunk_size):
+                        fh.write(chunk)
+                        digest.update(chunk)
+                        received += len(chunk)
+                        pbar.update(len(chunk))
+                except (http.client.HTTPException, ConnectionError) as exc:
+                    raise DownloadIncomplete(
+                        f"download of {url} broke off after {received} bytes ({type(exc).__name__}: {exc}); "
+                        f"nothing was written to {final}. Retry, or check the server."
+                    ) from exc
+        if announced is not None and received != announced:
+            raise DownloadIncomplete(
+                f"download of {url} ended after {received} of {announced} bytes; nothing was written to "
+                f"{final}. Retry, or check the server or proxy."
+            )
+        md5 = _md5_for(final)
+        if md5 is not None and digest.hexdigest() != md5:
+            raise ChecksumMismatch(
+                f"File not found or corrupted: {url} has md5 {digest.hexdigest()} ({received} bytes), expected "
+                f"{md5}; nothing was written to {final}. The mirror serves other bytes than the dataset "
+                "declares: try another mirror."
+            )
+        _seal(tmp, final)
+    finally:
+        unlink_if_exists(tmp)
+
+
+def decompress(
+    from_path: str | os.PathLike[str],
+    to_path: str | os.PathLike[str] | None = None,
+    remove_finished: bool = False,
+) -> pathlib.Path:
+    """``utils._decompress``, streamed into a temporary and renamed into place when complete."""
+    utils = sys.modules[MODULE]
+    suffix, archive_type, compression = utils._detect_file_type(from_path)
+    if not compression:
+        raise RuntimeError(f"Couldn't detect a compression from suffix {suffix}.")
+    if to_path is None:
+        to_path = pathlib.Path(os.fspath(from_path).replace(suffix, archive_type if archive_type is not None else ""))
+    final = os.path.abspath(os.fspath(to_path))
+    tmp = _temp_for(final)
+    try:
+        with utils._COMPRESSED_FILE_OPENERS[compression](from_path, "rb") as rfh, open(tmp, "xb") as wfh:
+            shutil.copyfileobj(rfh, wfh, 1 << 20)
+        _seal(tmp, final)
+    finally:
+        unlink_if_exists(tmp)
+    if remove_finished:
+        os.remove(from_path)
+    return pathlib.Path(to_path)
+
+
+def _merge(staging: str, dest: str) -> None:
+    """Move every file of ``staging`` to the same place under ``dest``, one atomic rename each."""
+    for top, dirs, files in os.walk(staging):
+        rel = os.path.relpath(top, staging)
+        target = os.path.normpath(os.path.join(dest, rel))
+        os.makedirs(target, exist_ok=True)
+        for name in list(dirs):
+            if os.path.islink(os.path.join(top, name)):
+                dirs.remove(name)
+                files.append(name)
+        for name in files:
+            os.replace(os.path.join(top, name), os.path.join(target, name))
+
+
+def atomic_extractor(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a ``_ARCHIVE_EXTRACTORS`` entry: extract into a temporary folder inside the
+    destination, then rename each file into place."""
+
+    @functools.wraps(original)
+    def extract(from_path: Any, to_path: Any, compression: str | None) -> None:
+        dest = os.path.abspath(os.fspath(to_path))
+        os.makedirs(dest, exist_ok=True)
+        sweep_stale_temps(dest)
+        staging = os.path.join(dest, owned_temp_name(os.path.basename(os.fspath(from_path))))
+        os.mkdir(staging)
+        try:
+            original(from_path, staging, compression)
+            _merge(staging, dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    return extract
+
+
+def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``download_url`` so that the download it starts knows the md5 before publishing."""
+
+    @functools.wraps(original)
+    def download_url(
+        url: str,
+        root: str | os.PathLike[str],
+        filename: str | os.PathLike[str] | None = None,
+        md5: str | None = None,
+        max_redirect_hops: int = 3,
+    ) -> None:
+        name = filename or os.path.basename(url)
+        path = os.path.abspath(os.path.join(os.path.expanduser(root), name))
+        with expecting_md5(path, md5):
+            return original(url, root, filename, md5, max_redirect_hops)
+
+    download_url.__nemo_safe__ = True  # type: ignore[attr-defined]
+    return download_url
+
+
+def _apply_utils(utils: ModuleType) -> Undo | None:
+    if recognise(utils) is None:
+        log.warning(
+            "nemo_safe: torchvision.datasets.utils is a version nemo_safe was not verified against; its downloads "
+            "are left unchanged (not atomic). Known: %s",
+            ", ".join(KNOWN_UTILS.values()),
+        )
+        return None
+    saved = {name: getattr(utils, name) for name in ("_urlretrieve", "_decompress", "download_url")}
+    saved_extractors = dict(utils._ARCHIVE_EXTRACTORS)
+    utils._urlretrieve = urlretrieve
+    utils._decompress = decompress
+    _ORIGINAL_DECOMPRESS[:] = [saved["_decompress"]]
+    utils.download_url = md5_aware(saved["download_url"])
+    for suffix, extractor in saved_extractors.items():
+        utils._ARCHIVE_EXTRACTORS[suffix] = atomic_extractor(extractor)
+
+    def undo() -> None:
+        for name, value in saved.items():
+            setattr(utils, name, value)
+        utils._ARCHIVE_EXTRACTORS.clear()
+        utils._ARCHIVE_EXTRACTORS.update(saved_extractors)
+
+    return undo
+
+
+def _apply_bindings(package: ModuleType) -> Undo | None:
+    """Rebind ``download_url`` and ``_decompress`` in every dataset module that imported them
+    by name (``from .utils import download_url``; pcam imports ``_decompress``)."""
+    utils = sys.modules.get(MODULE)
+    if not getattr(getattr(utils, "download_url", None), "__nemo_safe__", False):
+        return None
+    replacements = {
+        "download_url": (utils.download_url.__wrapped__, utils.download_url),
+        "_decompress": (_ORIGINAL_DECOMPRESS[0], utils._decompress),
+    }
+    rebound: list[tuple[ModuleType, str, Any]] = []
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith(PACKAGE + ".") or module is None or module is utils:
+            continue
+        for attr, (original, patched) in replacements.items():
+            # A module imported after the utils patch bound the patched function already;
+            # record it too, so that undo restores the original there as well.
+            if getattr(module, attr, None) in (original, patched):
+                setattr(module, attr, patched)
+                rebound.append((module, attr, original))
+
+    def undo() -> None:
+        for module, attr, original in rebound:
+            setattr(module, attr, original)
+
+    return undo
+
+
+def _describe(module: ModuleType) -> str:
+    known = recognise(module)
+    if known:
+        return f"patched: atomic downloads and extraction ({known})"
+    return "NOT patched: unknown torchvision version (downloads stay non-atomic)"
+
+
+PATCHES = (
+    Patch(module=MODULE, name="torchvision-atomic-downloads", apply=_apply_utils, describe=_describe),
+    Patch(module=PACKAGE, name="torchvision-download-url-bindings", apply=_apply_bindings),
+)

@@ -1,0 +1,378 @@
+"""torchvision overlay: one download per dataset folder, atomic files, repair; all real.
+
+Real torch / torchvision, real processes (torch.multiprocessing.spawn with gloo,
+torchrun, srun -N2), and a real HTTP mirror on 127.0.0.1 serving the exact
+original MNIST files from ../shared/data/mnist (never committed here).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import IN_CI
+
+from nemo_safe import download_race
+from nemo_safe.download_race import MNIST_FILES, read_results, reference_digests
+from nemo_safe.loopback_mirror import Faults, LoopbackMirror
+
+from procs import clean_env, torchrun_env
+
+MNIST_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+HANG_GUARD = 600
+#: The largest file (train images, 9.9 MB) takes this long through the throttled mirror.
+DOWNLOAD_SECONDS = 2.0
+#: Between DOWNLOAD_SECONDS/2 and DOWNLOAD_SECONDS: upstream breaks by construction (see download_race.compare).
+SKEW = 1.5
+
+
+@pytest.fixture(scope="session")
+def mnist() -> dict[str, bytes]:
+    """The exact original MNIST .gz files, checked against torchvision's own md5s."""
+    if not all((MNIST_DIR / n).is_file() for n in MNIST_FILES):
+        if IN_CI:
+            pytest.fail(f"CI needs the MNIST files in {MNIST_DIR}", pytrace=False)
+        pytest.skip(f"the original MNIST files are not in {MNIST_DIR}")
+    from torchvision.datasets import MNIST
+
+    files = {n: (MNIST_DIR / n).read_bytes() for n in MNIST_FILES}
+    for name, md5 in MNIST.resources:
+        assert hashlib.md5(files[name]).hexdigest() == md5, name
+    return files
+
+
+@pytest.fixture(scope="session")
+def reference(mnist: dict[str, bytes]) -> dict[str, str]:
+    return reference_digests(mnist)
+
+
+def throttled(
+    files: dict[str, bytes], faults: Faults | None = None, seconds: float = DOWNLOAD_SECONDS
+) -> LoopbackMirror:
+    return LoopbackMirror(files, rate=download_race.rate_for(files, seconds), faults=faults)
+
+
+def _assert_clean_root(root: Path, dataset: str = "MNIST") -> None:
+    """Only published files are left: no lock directory, no temporaries."""
+    leftovers = [p for p in root.rglob("*") if p.name.startswith((".tmp.", ".nemo_safe"))]
+    assert not leftovers, leftovers
+
+
+def _assert_raw_equals_original(root: Path, files: dict[str, bytes]) -> None:
+    raw = root / "MNIST" / "raw"
+    for name, gz in files.items():
+        assert (raw / name).read_bytes() == gz, name
+        assert (raw / name[:-3]).read_bytes() == gzip.decompress(gz), name[:-3]
+
+
+def _assert_one_fetch_each(mirror: LoopbackMirror) -> None:
+    for name, s in mirror.stats().items():
+        assert (s.requests, s.complete) == (1, 1), (name, s)
+
+
+def _assert_all_loaded(results: dict[int, dict], ranks: range, reference: dict[str, str]) -> None:
+    assert sorted(results) == list(ranks), results
+    for rank, res in results.items():
+        assert res["status"] == "ok", (rank, res)
+        assert (res["data_sha"], res["targets_sha"]) == (reference["data_sha"], reference["targets_sha"]), rank
+
+
+# -- 8 ranks of torch.multiprocessing.spawn after init_process_group (the FSDP tutorial) -------------------
+
+
+def test_spawn_eight_ranks_download_once(tmp_path: Path, mnist, reference) -> None:
+    with throttled(mnist) as mirror:
+        out = download_race.run_spawn(
+            8, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, timeout=HANG_GUARD
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        _assert_one_fetch_each(mirror)
+    _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
+    _assert_raw_equals_original(tmp_path / "root", mnist)
+    _assert_clean_root(tmp_path / "root")
+
+
+def test_spawn_eight_ranks_with_start_skew(tmp_path: Path, mnist, reference) -> None:
+    """Ranks arriving while the download runs wait for it; none re-downloads."""
+    with throttled(mnist) as mirror:
+        out = download_race.run_spawn(
+            8, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, skew=SKEW / 4, timeout=HANG_GUARD
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        _assert_one_fetch_each(mirror)
+    _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
+    _assert_clean_root(tmp_path / "root")
+
+
+def test_spawn_upstream_twin_corrupts(tmp_path: Path, mnist, reference) -> None:
+    """The same spawn job without nemo_safe: the race must show (proves the tests can fail)."""
+    seen = []
+    for trial in range(3):
+        base = tmp_path / f"trial{trial}"
+        with throttled(mnist) as mirror:
+            download_race.run_spawn(
+                8, base / "root", base / "res", mirror.url, disable=True, skew=SKEW, timeout=HANG_GUARD
+            )
+            fetches = sum(s.complete for s in mirror.stats().values())
+        results = read_results(base / "res")
+        bad = [
+            r
+            for r, res in results.items()
+            if res["status"] != "ok" or (res["data_sha"], res["targets_sha"]) != tuple(reference.values())
+        ]
+        seen.append((trial, bad, fetches))
+        if bad or len(results) < 8:
+            assert fetches > len(mnist), "upstream downloads on every rank"
+            return
+    pytest.fail(f"upstream torchvision survived 3 throttled, skewed trials: {seen}")
+
+
+# -- torchrun and srun ---------------------------------------------------------------------------------------
+
+
+def _member_cmd(root: Path, results: Path, gate: Path, mirror: str, *extra: str) -> list[str]:
+    results.mkdir(parents=True, exist_ok=True)
+    gate.mkdir(parents=True, exist_ok=True)
+    return [
+        "-m", "nemo_safe.download_race", "member", "--root", str(root), "--results", str(results),
+        "--gate", str(gate), "--mirror", mirror, *extra,
+    ]  # fmt: skip
+
+
+def test_torchrun_four_ranks(tmp_path: Path, mnist, reference) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with throttled(mnist) as mirror:
+        cmd = [torchrun, "--standalone", "--nproc-per-node", "4", "--no-python", sys.executable]
+        cmd += _member_cmd(tmp_path / "root", tmp_path / "res", tmp_path / "gate", mirror.url)
+        out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
+        assert out.returncode == 0, out.stderr[-3000:]
+        _assert_one_fetch_each(mirror)
+    _assert_all_loaded(read_results(tmp_path / "res"), range(4), reference)
+    _assert_clean_root(tmp_path / "root")
+
+
+def test_srun_two_nodes_eight_tasks(slurm_cluster, tmp_path: Path, mnist, reference) -> None:
+    with throttled(mnist) as mirror:
+        cmd = ["srun", "-N2", "--ntasks-per-node=4", "-J", "nemo-safe-mnist", "--kill-on-bad-exit=0", sys.executable]
+        cmd += _member_cmd(tmp_path / "root", tmp_path / "res", tmp_path / "gate", mirror.url)
+        out = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
+        assert out.returncode == 0, out.stderr[-3000:]
+        _assert_one_fetch_each(mirror)
+    _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
+    _assert_clean_root(tmp_path / "root")
+
+
+# -- faults --------------------------------------------------------------------------------------------------
+
+
+def _local_members(world: int, root: Path, results: Path, mirror: str, *extra: str, **env: str):
+    """``world`` member processes with torchrun-style variables (rank 0 is the preferred downloader)."""
+    cmd = [sys.executable, *_member_cmd(root, results, results.with_name(results.name + "-gate"), mirror, *extra)]
+    run_id = f"tv-{os.getpid()}-{time.monotonic_ns()}"
+    return {
+        r: subprocess.Popen(
+            cmd, env=clean_env(**torchrun_env(r, world, run_id), **env), text=True, stderr=subprocess.PIPE
+        )
+        for r in range(world)
+    }
+
+
+def _finish(procs: dict[int, subprocess.Popen], guard: float = HANG_GUARD) -> dict[int, int]:
+    codes = {}
+    deadline = time.monotonic() + guard
+    for r, p in procs.items():
+        try:
+            p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            pytest.fail(f"rank {r} hung for {guard} s")
+        codes[r] = p.returncode
+    return codes
+
+
+def test_connection_dropped_mid_file(tmp_path: Path, mnist, reference) -> None:
+    name = "train-images-idx3-ubyte.gz"
+    with throttled(mnist, Faults(drop_after={name: 3_000_000})) as mirror:
+        _finish(_local_members(2, tmp_path / "root", tmp_path / "res", mirror.url))
+    results = read_results(tmp_path / "res")
+    for res in results.values():
+        assert res["status"] == "error", res
+        assert "broke off" in res["error"] or "ended after" in res["error"], res
+    assert not (tmp_path / "root" / "MNIST" / "raw" / name).exists(), "a partial download must never be published"
+    # The mirror heals: the next start completes from the same root, fetching only what is missing.
+    with throttled(mnist) as mirror:
+        _finish(_local_members(2, tmp_path / "root", tmp_path / "res2", mirror.url))
+        assert mirror.stats()[name].complete == 1
+    _assert_all_loaded(read_results(tmp_path / "res2"), range(2), reference)
+    _assert_raw_equals_original(tmp_path / "root", mnist)
+    _assert_clean_root(tmp_path / "root")
+
+
+def test_wrong_md5_reaches_every_rank(tmp_path: Path, mnist) -> None:
+    name = "train-labels-idx1-ubyte.gz"
+    with throttled(mnist, Faults(corrupt={name})) as mirror:
+        _finish(_local_members(3, tmp_path / "root", tmp_path / "res", mirror.url))
+        fetched = mirror.stats()[name].complete
+    results = read_results(tmp_path / "res")
+    assert sorted(results) == [0, 1, 2]
+    for res in results.values():
+        assert res["status"] == "error" and "md5" in res["error"], res
+    waiters = [res for res in results.values() if res["error_type"] == "LeaderFailed"]
+    assert waiters, "ranks that waited for the downloader get its error"
+    assert fetched < 3 + 1, "the waiters do not each re-download"
+    assert not (tmp_path / "root" / "MNIST" / "raw" / name).exists(), "bytes with a wrong md5 are never published"
+
+
+def test_downloader_killed_mid_download(tmp_path: Path, mnist, reference) -> None:
+    name = "train-images-idx3-ubyte.gz"
+    raw = tmp_path / "root" / "MNIST" / "raw"
+    with throttled(mnist, seconds=8.0) as mirror:
+        procs = _local_members(3, tmp_path / "root", tmp_path / "res", mirror.url)
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            temps = [p for p in raw.glob(f".tmp.{name}~*")] if raw.is_dir() else []
+            if temps and temps[0].stat().st_size > 1_000_000:
+                victim = int(temps[0].name.split("~")[2])
+            time.sleep(0.05)
+        assert victim is not None, "no download in progress was seen"
+        os.kill(victim, signal.SIGKILL)
+        codes = _finish(procs)
+    killed = [r for r, p in procs.items() if p.pid == victim]
+    assert killed and codes[killed[0]] == -signal.SIGKILL
+    results = read_results(tmp_path / "res")
+    _assert_all_loaded(results, sorted(set(range(3)) - set(killed)), reference)
+    _assert_raw_equals_original(tmp_path / "root", mnist)
+    _assert_clean_root(tmp_path / "root")
+
+
+def _broken_raw_root(root: Path, files: dict[str, bytes]) -> None:
+    """A root as a killed upstream rank leaves it: the .gz files fine, raw files empty or truncated."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name, gz in files.items():
+        (raw / name).write_bytes(gz)
+        (raw / name[:-3]).write_bytes(gzip.decompress(gz))
+    (raw / "train-images-idx3-ubyte").write_bytes(b"")
+    (raw / "train-labels-idx1-ubyte").write_bytes(gzip.decompress(files["train-labels-idx1-ubyte.gz"])[:5000])
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["nemo_safe", "upstream"])
+def test_leftover_empty_and_truncated_raw_files(tmp_path: Path, mnist, reference, disable: bool) -> None:
+    _broken_raw_root(tmp_path / "root", mnist)
+    with throttled(mnist) as mirror:
+        _finish(_local_members(1, tmp_path / "root", tmp_path / "res", mirror.url, NEMO_SAFE_DISABLE=str(int(disable))))
+        fetched = sum(s.complete for s in mirror.stats().values())
+    (res,) = read_results(tmp_path / "res").values()
+    if disable:
+        assert res["status"] == "error", "upstream loads the empty raw file and crashes"
+        return
+    assert fetched == 0, "the .gz files were fine: repaired from them without a download"
+    _assert_all_loaded({0: res}, range(1), reference)
+    _assert_raw_equals_original(tmp_path / "root", mnist)
+
+
+@pytest.fixture()
+def read_only(tmp_path: Path):
+    mounted = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_read_only_root(tmp_path: Path, mnist, reference, read_only) -> None:
+    empty = read_only(tmp_path / "empty")
+    complete = tmp_path / "complete"
+    _broken_raw_root(complete, mnist)
+    raw = complete / "MNIST" / "raw"
+    for name, gz in mnist.items():
+        (raw / name[:-3]).write_bytes(gzip.decompress(gz))
+    read_only(complete)
+    with throttled(mnist) as mirror:
+        _finish(_local_members(2, empty, tmp_path / "res-empty", mirror.url))
+        _finish(_local_members(2, complete, tmp_path / "res-complete", mirror.url))
+        assert sum(s.complete for s in mirror.stats().values()) == 0
+    for res in read_results(tmp_path / "res-empty").values():
+        assert res["status"] == "error" and res["error_type"] == "ConfigurationError", res
+        assert str(empty) in res["error"] and "writable" in res["error"], res
+    _assert_all_loaded(read_results(tmp_path / "res-complete"), range(2), reference)
+
+
+# -- atomic publication beyond MNIST: CIFAR10 on a small generated archive -------------------------------
+
+
+def _cifar10_files() -> tuple[dict[str, bytes], dict]:
+    """A CIFAR10-format tar.gz (6 batches + meta, 500 images each) and the class attributes naming it."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    members, train_list, test_list = {}, [], []
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (500, 3072), dtype=np.uint8), "labels": rng.integers(0, 10, 500).tolist()}
+        members[name] = pickle.dumps(batch)
+        (test_list if name == "test_batch" else train_list).append([name, hashlib.md5(members[name]).hexdigest()])
+    members["batches.meta"] = pickle.dumps({"label_names": [f"c{i}" for i in range(10)]})
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    archive = buf.getvalue()
+    attrs = {
+        "url": "{mirror}cifar-10-python.tar.gz",
+        "tgz_md5": hashlib.md5(archive).hexdigest(),
+        "train_list": train_list,
+        "test_list": test_list,
+        "meta": {
+            "filename": "batches.meta",
+            "key": "label_names",
+            "md5": hashlib.md5(members["batches.meta"]).hexdigest(),
+        },
+    }
+    expected = np.vstack([pickle.loads(members[n])["data"] for n, _ in train_list]).reshape(-1, 3, 32, 32)
+    labels = np.concatenate([pickle.loads(members[n])["labels"] for n, _ in train_list]).astype(np.uint8)
+    attrs_ref = {
+        "data_sha": hashlib.sha256(np.ascontiguousarray(expected.transpose((0, 2, 3, 1))).tobytes()).hexdigest(),
+        "targets_sha": hashlib.sha256(labels.tobytes()).hexdigest(),
+    }
+    return {"cifar-10-python.tar.gz": archive}, {"attrs": attrs, "reference": attrs_ref}
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["nemo_safe", "upstream"])
+def test_cifar10_archive_published_atomically(tmp_path: Path, disable: bool) -> None:
+    """CIFAR10 has no single flight: every rank downloads and extracts, yet with nemo_safe
+    every file appears complete or not at all, so every rank loads the right data."""
+    files, spec = _cifar10_files()
+    with throttled(files) as mirror:
+        procs = _local_members(
+            4, tmp_path / "root", tmp_path / "res", mirror.url, "--dataset", "CIFAR10",
+            "--attrs", json.dumps(spec["attrs"]), "--skew", str(SKEW), NEMO_SAFE_DISABLE=str(int(disable)),
+        )  # fmt: skip
+        _finish(procs)
+    results = read_results(tmp_path / "res")
+    if disable:
+        bad = [r for r, res in results.items() if res["status"] != "ok"]
+        assert bad, f"upstream survived the skewed concurrent downloads: {results}"
+        return
+    _assert_all_loaded(results, range(4), spec["reference"])
+    _assert_clean_root(tmp_path / "root")
