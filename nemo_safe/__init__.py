@@ -9,6 +9,7 @@ Public API::
     nemo_safe.rank_zero_first(directory, world_size, name)   # context manager
     nemo_safe.Barrier                                        # the barrier itself
     nemo_safe.detect_identity()                              # rank, world size, attempt key
+    nemo_safe.SingleFlight(directory, name).run(job, done)   # one process does a job, the others wait
     nemo_safe.patch() / nemo_safe.unpatch()                  # (re)apply / undo the patches
 """
 
@@ -20,22 +21,32 @@ from nemo_safe.cluster_identity import ClusterIdentity
 from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.errors import (
     BarrierTimeout,
+    ChecksumMismatch,
     ConfigurationError,
+    DownloadIncomplete,
+    LeaderFailed,
     NemoSafeError,
     RankZeroFailed,
     UnsafeBarrierPath,
+    WaitTimeout,
 )
+from nemo_safe.single_flight import SingleFlight
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Barrier",
     "BarrierTimeout",
+    "ChecksumMismatch",
     "ClusterIdentity",
     "ConfigurationError",
+    "DownloadIncomplete",
+    "LeaderFailed",
     "NemoSafeError",
     "RankZeroFailed",
+    "SingleFlight",
     "UnsafeBarrierPath",
+    "WaitTimeout",
     "__version__",
     "detect_identity",
     "patch",

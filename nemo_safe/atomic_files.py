@@ -80,7 +80,9 @@ def owned_temp_name(final_name: str) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
+    """Whether a process with this pid exists on this host (unknown pids count as alive)."""
+    if pid <= 0:
+        return True  # kill(0 or -1, 0) would address process groups, not one process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

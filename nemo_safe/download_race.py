@@ -70,10 +70,16 @@ def reference_digests(files: dict[str, bytes], train: bool = True) -> dict[str, 
 
 
 def build(
-    dataset: str, root: str, mirror: str, resources: list[tuple[str, str]] | None, attrs: dict[str, Any] | None = None
+    dataset: str,
+    root: str,
+    mirror: str,
+    resources: list[tuple[str, str]] | None,
+    attrs: dict[str, Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the dataset with download=True from ``mirror``; digests of what was loaded.
-    ``attrs`` overrides class attributes (a test's own files and md5s, e.g. CIFAR10's lists)."""
+    ``attrs`` overrides class attributes (a test's own files and md5s, e.g. CIFAR10's lists);
+    ``kwargs`` go to the constructor (EMNIST's ``split``)."""
     import numpy as np
     import torchvision.datasets as datasets
 
@@ -84,7 +90,7 @@ def build(
         cls.resources = [tuple(r) for r in resources]
     for name, value in (attrs or {}).items():
         setattr(cls, name, value.replace("{mirror}", mirror) if isinstance(value, str) else value)
-    ds = cls(root, train=True, download=True)
+    ds = cls(root, train=True, download=True, **(kwargs or {}))
     data = np.ascontiguousarray(np.asarray(ds.data))
     targets = np.asarray(ds.targets).astype(np.uint8)
     return {
@@ -102,7 +108,8 @@ def _attempt(rank: int, args: argparse.Namespace) -> None:
     started = time.monotonic()
     try:
         attrs = json.loads(args.attrs) if args.attrs else None
-        result.update(build(args.dataset, args.root, args.mirror, resources, attrs))
+        kwargs = json.loads(args.kwargs) if args.kwargs else None
+        result.update(build(args.dataset, args.root, args.mirror, resources, attrs, kwargs))
     except Exception as exc:
         result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:2000])
     result["seconds"] = time.monotonic() - started
@@ -265,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", default="MNIST")
     p.add_argument("--resources", help="JSON list of [file, md5] replacing the dataset's resources")
     p.add_argument("--attrs", help="JSON object of class attributes to set ({mirror} is replaced by --mirror)")
+    p.add_argument("--kwargs", help="JSON object of extra constructor arguments")
     p.add_argument("--nprocs", type=int, default=8)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="rank i starts i*skew seconds after the others")

@@ -44,10 +44,20 @@ class Faults:
 class LoopbackMirror:
     """``with LoopbackMirror(files, rate=...) as mirror:`` then point a dataset's mirrors at ``mirror.url``."""
 
-    def __init__(self, files: Mapping[str, bytes], *, rate: float | None = None, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        files: Mapping[str, bytes],
+        *,
+        rate: float | None = None,
+        link_rate: float | None = None,
+        faults: Faults | None = None,
+    ) -> None:
         self.files = dict(files)
         #: Bytes per second per response; None = as fast as the loopback goes.
         self.rate = rate
+        #: Bytes per second shared by all responses (one uplink, as a site's internet connection); None = unlimited.
+        self.link_rate = link_rate
+        self._link_free_at = 0.0
         self.faults = faults or Faults()
         self._lock = threading.Lock()
         self._stats: dict[str, FileStats] = {name: FileStats() for name in self.files}
@@ -74,8 +84,22 @@ class LoopbackMirror:
                 for name, s in self._stats.items()
             }
 
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = {name: FileStats() for name in self.files}
+
     def total_body_bytes(self) -> int:
         return sum(s.body_bytes for s in self.stats().values())
+
+    def _use_link(self, nbytes: int) -> None:
+        """Wait for this chunk's turn on the shared link."""
+        if not self.link_rate:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._link_free_at)
+            self._link_free_at = start + nbytes / self.link_rate
+            until = self._link_free_at
+        time.sleep(max(0.0, until - time.monotonic()))
 
     def _count(self, name: str, **delta: int) -> None:
         with self._lock:
@@ -117,6 +141,7 @@ class LoopbackMirror:
                             if ahead > 0:
                                 time.sleep(ahead)
                         piece = body[sent : min(sent + CHUNK, limit)]
+                        mirror._use_link(len(piece))
                         self.wfile.write(piece)
                         sent += len(piece)
                         mirror._count(name, **({"probe_bytes": len(piece)} if probe else {"body_bytes": len(piece)}))

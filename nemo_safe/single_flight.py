@@ -158,8 +158,13 @@ class SingleFlight:
         frozen = watch.frozen_for()
         if frozen >= self.stale_after:
             return True
-        same_host = info.get("host") == self.host
-        return same_host and frozen >= DEAD_PID_BEATS * HEARTBEAT and not pid_alive(int(info.get("pid", -1)))
+        if info.get("host") != self.host or frozen < DEAD_PID_BEATS * HEARTBEAT:
+            return False
+        try:
+            pid = int(info.get("pid", 0))
+        except (TypeError, ValueError):
+            return False
+        return not pid_alive(pid)
 
     # -- the leader ----------------------------------------------------------------
 

@@ -244,7 +244,7 @@ def test_patch_whatever_the_import_order(order: str) -> None:
 def test_demo_command_local() -> None:
     """The README's main job, on local processes: the upstream row shows the race, ours does not."""
     nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
-    cmd = [nemo_safe_cli, "demo", "--local", "--tasks-per-node", "2", "--old-files", "200"]
+    cmd = [nemo_safe_cli, "demo", "--only", "exp_manager", "--local", "--tasks-per-node", "2", "--old-files", "200"]
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {

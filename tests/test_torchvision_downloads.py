@@ -376,3 +376,68 @@ def test_cifar10_archive_published_atomically(tmp_path: Path, disable: bool) -> 
         return
     _assert_all_loaded(results, range(4), spec["reference"])
     _assert_clean_root(tmp_path / "root")
+
+
+def test_demo_download_race() -> None:
+    """``nemo-safe demo``'s download table: upstream fails by construction, nemo_safe fetches each file once."""
+    nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
+    cmd = [nemo_safe_cli, "demo", "--only", "download", "--download-ranks", "4"]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.stdout.splitlines()
+        if line.startswith(("| upstream", "| with"))
+    }
+    assert rows["with nemo_safe"][:4] == ["0 of 4", "0", "4", "1.00x"], out.stdout
+    assert rows["upstream torchvision"][0] != "0 of 4", out.stdout
+
+
+def _emnist_zip() -> tuple[dict[str, bytes], dict, dict[str, str]]:
+    """EMNIST's layout: gzip.zip holding gzip/emnist-<split>-<train|test>-<images|labels>-idx?-ubyte.gz."""
+    import zipfile
+
+    raw = download_race.synthetic_mnist(train=600, test=100, seed=1)
+    names = {
+        "train-images-idx3-ubyte.gz": "emnist-digits-train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz": "emnist-digits-train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz": "emnist-digits-test-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz": "emnist-digits-test-labels-idx1-ubyte.gz",
+    }
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for ours, theirs in names.items():
+            zf.writestr(f"gzip/{theirs}", raw[ours])
+    archive = buf.getvalue()
+    attrs = {"url": "{mirror}gzip.zip", "md5": hashlib.md5(archive).hexdigest()}
+    return {"gzip.zip": archive}, attrs, reference_digests(raw)
+
+
+def test_emnist_one_download_and_no_rmtree_under_readers(tmp_path: Path) -> None:
+    """EMNIST overrides download() and rmtree's raw/gzip at the end: one process does it all."""
+    files, attrs, ref = _emnist_zip()
+    with throttled(files) as mirror:
+        procs = _local_members(
+            3, tmp_path / "root", tmp_path / "res", mirror.url, "--dataset", "EMNIST",
+            "--attrs", json.dumps(attrs), "--kwargs", json.dumps({"split": "digits"}),
+        )  # fmt: skip
+        _finish(procs)
+        assert mirror.stats()["gzip.zip"].complete == 1
+    _assert_all_loaded(read_results(tmp_path / "res"), range(3), ref)
+    assert not (tmp_path / "root" / "EMNIST" / "raw" / "gzip").exists()
+    _assert_clean_root(tmp_path / "root")
+
+
+def test_every_mnist_family_class_is_patched() -> None:
+    code = (
+        "import nemo_safe, torchvision.datasets as d\n"
+        "for c in (d.MNIST, d.FashionMNIST, d.KMNIST, d.EMNIST, d.QMNIST):\n"
+        "    print(c.__name__, c.download.__qualname__, c._check_exists.__qualname__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    lines = out.stdout.split("\n")[:5]
+    assert len(lines) == 5, out.stderr[-2000:]
+    for line in lines:
+        name, download, check = line.split()
+        assert download == "single_flight_download.<locals>.download", line
+        assert check == "validating_check_exists.<locals>._check_exists", line

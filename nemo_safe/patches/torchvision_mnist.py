@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from nemo_safe import cluster_identity, idx_files
+from nemo_safe.errors import NemoSafeError
 from nemo_safe.patching import Patch, Undo
 from nemo_safe.single_flight import SingleFlight
 
@@ -71,7 +72,10 @@ def raw_files(dataset: Any) -> list[str]:
 def preferred_leader() -> bool | None:
     """True on the process that should download (rank 0, or local rank 0 for node-local roots),
     False on the others, None when no rank is known (then every process has an equal chance)."""
-    ident = cluster_identity.detect()
+    try:
+        ident = cluster_identity.detect()
+    except NemoSafeError:
+        return None  # inconsistent launcher variables: correctness never depended on the preference
     if ident.launcher != "none":
         return ident.rank == 0 or ident.local_rank == 0
     dist = sys.modules.get("torch.distributed")

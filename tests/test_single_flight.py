@@ -1,0 +1,115 @@
+"""SingleFlight with real processes on a real directory (no torch): one leader, errors, stale leaders."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_safe import idx_files
+from nemo_safe.single_flight import LOCK_DIRNAME
+
+from procs import HERE, clean_env
+
+WORKER = str(HERE / "flight_worker.py")
+HANG_GUARD = 120
+
+
+def _run(n: int, directory: Path, *args: str, **env: str) -> list[dict]:
+    procs = [
+        subprocess.Popen([sys.executable, WORKER, "--dir", str(directory), *args], env=clean_env(**env), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(n)
+    ]  # fmt: skip
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=HANG_GUARD)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_one_leader_and_nothing_left(tmp_path: Path) -> None:
+    results = _run(6, tmp_path, "--work", "1.0")
+    assert all(r["status"] == "ok" for r in results), results
+    assert sum(r["led"] for r in results) == 1, results
+    assert len(list(tmp_path.glob("made-by.*"))) == 1, "the job ran once"
+    assert not (tmp_path / LOCK_DIRNAME).exists()
+
+
+def test_leader_error_reaches_every_waiter(tmp_path: Path) -> None:
+    results = _run(4, tmp_path, "--work", "2.0", "--fail")
+    leader = [r for r in results if r["led"]]
+    assert len(leader) == 1 and leader[0]["error_type"] == "OSError", results
+    waiters = [r for r in results if not r["led"]]
+    for r in waiters:
+        assert r["error_type"] == "LeaderFailed" and "No space left on device" in r["error"], r
+        assert f"pid {leader[0]['pid']}" in r["error"], r
+
+
+def test_an_old_failure_does_not_fail_a_new_attempt(tmp_path: Path) -> None:
+    (first,) = _run(1, tmp_path, "--work", "0.1", "--fail")
+    assert first["status"] == "error"
+    assert list((tmp_path / LOCK_DIRNAME).iterdir()), "the failure is kept for processes that waited on it"
+    results = _run(3, tmp_path, "--work", "0.5")
+    assert all(r["status"] == "ok" for r in results), results
+    assert sum(r["led"] for r in results) == 1
+    assert not (tmp_path / LOCK_DIRNAME).exists(), "the next success removes the old failure too"
+
+
+def test_stale_leader_on_another_host_is_replaced_after_its_heartbeat_stops(tmp_path: Path) -> None:
+    """A leader on another host that died (no pid check possible): taken over once its beat is frozen."""
+    lock_dir = tmp_path / LOCK_DIRNAME
+    lock_dir.mkdir()
+    (lock_dir / "job.0").write_text(json.dumps({"state": "running", "beat": 7, "host": "elsewhere", "pid": 1}))
+    results = _run(2, tmp_path, "--work", "0.2", NEMO_SAFE_STALE_AFTER="3")
+    assert all(r["status"] == "ok" for r in results), results
+    assert sum(r["led"] for r in results) == 1
+    assert min(r["seconds"] for r in results) >= 3, "not before the heartbeat was frozen for 3 s"
+    assert not lock_dir.exists()
+
+
+def test_dead_leader_on_this_host_is_replaced_quickly(tmp_path: Path) -> None:
+    lock_dir = tmp_path / LOCK_DIRNAME
+    lock_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    info = {"state": "running", "beat": 3, "host": socket.gethostname(), "pid": dead.pid}
+    (lock_dir / "job.0").write_text(json.dumps(info))
+    results = _run(2, tmp_path, "--work", "0.2")  # default stale_after is 30 s: the pid check must do it
+    assert all(r["status"] == "ok" for r in results), results
+    assert max(r["seconds"] for r in results) < 30, results
+
+
+def test_preferred_leader_gets_the_job(tmp_path: Path) -> None:
+    others = subprocess.Popen([sys.executable, WORKER, "--dir", str(tmp_path), "--preferred", "no"],
+                              env=clean_env(), text=True, stdout=subprocess.PIPE)  # fmt: skip
+    (rank0,) = _run(1, tmp_path, "--preferred", "yes", "--work", "0.5")
+    out, _ = others.communicate(timeout=HANG_GUARD)
+    assert rank0["led"] and not json.loads(out)["led"]
+
+
+def _idx(dims: list[int], items: bytes) -> bytes:
+    return bytes([0, 0, 8, len(dims)]) + b"".join(d.to_bytes(4, "big") for d in dims) + items
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (_idx([3, 2, 2], bytes(12)), None),
+        (b"", "0 bytes"),
+        (_idx([3, 2, 2], b"")[:10], "truncated inside the IDX header"),
+        (_idx([3, 2, 2], bytes(11)), "27 bytes, but its header [3, 2, 2] needs 28"),
+        (_idx([3, 2, 2], bytes(13)), "needs 28"),
+        (b"PK\x03\x04rest", "not an IDX file"),
+    ],
+)
+def test_idx_validation(tmp_path: Path, content: bytes, problem: str | None) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(content)
+    found = idx_files.problem(path)
+    assert (found is None) if problem is None else (problem in found), found
