@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import importlib
 import json
 import os
 import socket
@@ -117,11 +118,16 @@ def _attempt(rank: int, args: argparse.Namespace) -> None:
 
 
 def _spawned(index: int, args: argparse.Namespace) -> None:
+    # nemo_safe before torchvision here (members import it after): both import orders run.
+    importlib.import_module("nemo_safe")  # a no-op with NEMO_SAFE_DISABLE=1
     import torch.distributed as dist
-    import torchvision.datasets  # noqa: F401  (before the barrier, so the start skew is exactly the one asked for)
+    import torchvision.datasets  # noqa: F401  (before the release, so the start skew is exactly the one asked for)
 
-    import nemo_safe  # noqa: F401  (first, as a user would; a no-op with NEMO_SAFE_DISABLE=1)
-
+    if not args.init:
+        # mp.spawn before init_process_group: no rank is known anywhere (no variables, no process group).
+        time.sleep(index * args.skew)
+        _attempt(index, args)
+        return
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=index, world_size=args.nprocs)
     dist.barrier()  # released together, like the ranks of the FSDP tutorial
     time.sleep(index * args.skew)
@@ -185,6 +191,7 @@ def run_spawn(
     *,
     disable: bool,
     skew: float = 0.0,
+    init: bool = True,
     resources: Any = None,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
@@ -199,6 +206,8 @@ def run_spawn(
     ]  # fmt: skip
     if resources is not None:
         cmd += ["--resources", json.dumps(resources)]
+    if not init:
+        cmd.append("--no-init")
     env = {**without_launchers(os.environ), "NEMO_SAFE_DISABLE": "1" if disable else "0"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
@@ -276,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nprocs", type=int, default=8)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="rank i starts i*skew seconds after the others")
+    p.add_argument("--no-init", dest="init", action="store_false", help="spawn: no init_process_group at all")
+    p.add_argument("--node-local", action="store_true", help="member: use <root>/node<node rank> as the root")
     p.add_argument("--gate", help="member: a shared directory where all ranks line up first")
     args = p.parse_args(argv)
     if args.mode == "spawn":
@@ -293,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
 
         start_gate(Path(args.gate), ident.rank, ident.world_size, "imported")
     time.sleep(ident.rank * args.skew)
+    if args.node_local:
+        args.root = os.path.join(args.root, f"node{ident.node_rank}")
     _attempt(ident.rank, args)
     return 0
 

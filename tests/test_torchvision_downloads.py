@@ -103,12 +103,14 @@ def test_spawn_eight_ranks_download_once(tmp_path: Path, mnist, reference) -> No
     _assert_clean_root(tmp_path / "root")
 
 
-def test_spawn_eight_ranks_with_start_skew(tmp_path: Path, mnist, reference) -> None:
-    """Ranks arriving while the download runs wait for it; none re-downloads."""
+def test_spawn_before_init_process_group_with_start_skew(tmp_path: Path, mnist, reference) -> None:
+    """mp.spawn with no init_process_group and no launcher variables: no rank is known, the leader is
+    whoever creates the lock first; ranks arriving while the download runs wait for it."""
     with throttled(mnist) as mirror:
         out = download_race.run_spawn(
-            8, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, skew=SKEW / 4, timeout=HANG_GUARD
-        )
+            8, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, skew=SKEW / 4, init=False,
+            timeout=HANG_GUARD,
+        )  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         _assert_one_fetch_each(mirror)
     _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
@@ -162,15 +164,22 @@ def test_torchrun_four_ranks(tmp_path: Path, mnist, reference) -> None:
     _assert_clean_root(tmp_path / "root")
 
 
-def test_srun_two_nodes_eight_tasks(slurm_cluster, tmp_path: Path, mnist, reference) -> None:
+@pytest.mark.parametrize("roots", ["shared root", "node-local roots"])
+def test_srun_two_nodes_eight_tasks(slurm_cluster, tmp_path: Path, mnist, reference, roots: str) -> None:
+    """One download per job on a shared root; one per node when each node has its own root."""
+    node_local = roots == "node-local roots"
     with throttled(mnist) as mirror:
         cmd = ["srun", "-N2", "--ntasks-per-node=4", "-J", "nemo-safe-mnist", "--kill-on-bad-exit=0", sys.executable]
         cmd += _member_cmd(tmp_path / "root", tmp_path / "res", tmp_path / "gate", mirror.url)
+        cmd += ["--node-local"] if node_local else []
         out = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
         assert out.returncode == 0, out.stderr[-3000:]
-        _assert_one_fetch_each(mirror)
+        for name, s in mirror.stats().items():
+            assert s.complete == (2 if node_local else 1), (name, s)
     _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
-    _assert_clean_root(tmp_path / "root")
+    for root in [tmp_path / "root" / "node0", tmp_path / "root" / "node1"] if node_local else [tmp_path / "root"]:
+        _assert_raw_equals_original(root, mnist)
+        _assert_clean_root(root)
 
 
 # -- faults --------------------------------------------------------------------------------------------------
