@@ -191,9 +191,11 @@ class SingleFlight:
         except Exception as exc:
             stop.set()
             thread.join()
-            publish(
-                self.lock_dir, name, self._info("failed", beat[0] + 1, error_type=type(exc).__name__, error=str(exc))
-            )
+            try:
+                failed = self._info("failed", beat[0] + 1, error_type=type(exc).__name__, error=str(exc))
+                publish(self.lock_dir, name, failed)
+            except OSError as publish_error:  # e.g. the same full disk: waiters then see a dead leader instead
+                log.warning("nemo_safe: %s: could not record the failure for the others: %s", self.what, publish_error)
             raise
         except BaseException:
             # Interrupted (SIGTERM, Ctrl-C): not a verdict on the job, so let another process take over.
