@@ -248,7 +248,7 @@ def compare(
                 read_results(base / "results"),
                 nprocs,
                 reference,
-                sum(s.body_bytes for s in stats.values()),
+                mirror.total_body_bytes(),
                 sum(len(b) for b in files.values()),
                 sum(s.complete for s in stats.values()),
             )
