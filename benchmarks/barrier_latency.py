@@ -29,12 +29,11 @@ import torch.distributed as dist
 from nemo_safe.barrier import (
     POLL_MAX_CEIL,
     POLL_MAX_FLOOR,
-    POLL_MIN,
     POLLS_PER_SECOND_BUDGET,
     RANK0_POLL_SPEEDUP,
-    Backoff,
     Barrier,
 )
+from nemo_safe.waiting import POLL_MIN, Backoff
 
 FS_CALLS = ("open", "scandir", "listdir", "replace", "unlink", "lstat", "stat", "mkdir", "rmdir")
 

@@ -2,7 +2,9 @@
 # The whole test suite from a fresh machine: system packages, the pinned
 # environments (.venv with nemo_toolkit 3.0.0, .venv-nemo273 with 2.7.3), the
 # local two-node SLURM cluster, lint, then pytest: everything on .venv, and the
-# NeMo tests again on .venv-nemo273.
+# NeMo tests again on .venv-nemo273; then the upstream patch series (patches/):
+# regenerated and compared right after lint, applied to the pristine releases and
+# tested at the end.
 # Extra arguments go to pytest (e.g. `bash ci/run_tests.sh -k slurm`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,6 +34,9 @@ echo "run_tests: ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
+echo "run_tests: upstream patch series are what the code generates"
+.venv/bin/python ci/make_patches.py --check
+
 echo "run_tests: pytest (nemo_toolkit 3.0.0)"
 .venv/bin/python -m pytest tests "$@"
 echo "run_tests: pytest, NeMo tests again (nemo_toolkit 2.7.3)"
@@ -43,3 +48,6 @@ status=0
     -k "not demo_command and not local_launcher and not killed and not read_only and not mismatch" "$@" \
     || status=$?
 [ "$status" = 0 ] || [ "$status" = 5 ]  # 5: the extra arguments selected no NeMo test
+
+echo "run_tests: upstream patch series on the pristine releases, nemo_safe not imported"
+.venv/bin/python ci/verify_patches.py

@@ -124,3 +124,34 @@ def sweep_stale_temps(directory: str, max_age: float = 24 * 3600.0) -> list[str]
         except OSError:
             continue
     return removed
+
+
+def sibling_temp(final: str) -> str:
+    """A fresh :func:`owned_temp_name` next to ``final``, after sweeping dead writers' leftovers there."""
+    directory, name = os.path.split(final)
+    sweep_stale_temps(directory)
+    return os.path.join(directory, owned_temp_name(name))
+
+
+def seal(tmp: str, final: str) -> None:
+    """Make the complete temporary durable, then the final name."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def merge_tree(staging: str, dest: str) -> None:
+    """Move every file of ``staging`` to the same place under ``dest``, one atomic rename each."""
+    for top, dirs, files in os.walk(staging):
+        rel = os.path.relpath(top, staging)
+        target = os.path.normpath(os.path.join(dest, rel))
+        os.makedirs(target, exist_ok=True)
+        for name in list(dirs):
+            if os.path.islink(os.path.join(top, name)):
+                dirs.remove(name)
+                files.append(name)
+        for name in files:
+            os.replace(os.path.join(top, name), os.path.join(target, name))

@@ -36,7 +36,6 @@ import atexit
 import json
 import logging
 import os
-import random
 import secrets
 import socket
 import stat
@@ -56,83 +55,23 @@ from nemo_safe.errors import (
     RankZeroFailed,
     UnsafeBarrierPath,
 )
+from nemo_safe.waiting import POLL_MIN, Backoff, Progress, default_timeout, env_seconds
 
 log = logging.getLogger(__name__)
 
 BARRIER_DIRNAME = ".nemo_safe"
 STATE_NAME = "state"
 ARRIVE_PREFIX = "arrive."
-DEFAULT_TIMEOUT = 1800.0
-TIMEOUT_ENV = "NEMO_SAFE_BARRIER_TIMEOUT"
 POLL_MAX_ENV = "NEMO_SAFE_POLL_MAX"
-POLL_MIN = 0.002
 #: Poll cap: 50 ms for small jobs, growing with the world size so that all
 #: waiting ranks together make at most ~2,000 polls/s on a metadata server.
 POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
 RANK0_POLL_SPEEDUP = 5.0
 #: Waiters outlast rank 0's timeout by this much so that they hear its verdict.
 WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
-PROGRESS_EVERY = 5.0
 CLEANUP_GRACE_AT_EXIT = 10.0
 
 T = TypeVar("T")
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigurationError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
-
-
-def default_timeout() -> float:
-    """Seconds a barrier waits: ``NEMO_SAFE_BARRIER_TIMEOUT`` or 30 minutes."""
-    return _env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
-
-
-class Backoff:
-    """Jittered exponential backoff with a cap: quick when the barrier is about to
-    open, gentle on a shared metadata server when it is not."""
-
-    def __init__(self, cap: float, start: float = POLL_MIN, factor: float = 1.6) -> None:
-        self.cap, self.start, self.factor = cap, start, factor
-        self.reset()
-
-    def reset(self) -> None:
-        self._next = self.start
-
-    def sleep(self, deadline: float) -> None:
-        delay = self._next * random.uniform(0.75, 1.0)
-        self._next = min(self.cap, self._next * self.factor)
-        # time.sleep is restarted after signal handlers (PEP 475), so SIGUSR1
-        # handlers run and SIGTERM still ends the process.
-        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-
-
-class Progress:
-    """Rate-limits the 'still waiting' log line."""
-
-    def __init__(self, every: float = PROGRESS_EVERY) -> None:
-        self.every = every
-        self.start = time.monotonic()
-        self._last = self.start
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now - self._last >= self.every:
-            self._last = now
-            return True
-        return False
-
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
 
 
 @dataclass(frozen=True)
@@ -218,7 +157,7 @@ class Barrier:
             raise ConfigurationError(f"barrier {name!r}: timeout must be positive, got {timeout!r}")
         if poll_max is None:
             scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, world_size / POLLS_PER_SECOND_BUDGET))
-            poll_max = _env_seconds(POLL_MAX_ENV, scaled)
+            poll_max = env_seconds(POLL_MAX_ENV, scaled)
         self.poll_max = poll_max
         self.root = os.path.abspath(os.fspath(directory))
         seq = _next_sequence(self.root, self.name, self.attempt_key)

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nemo_safe.atomic_files import pid_alive, publish, read_if_exists, temp_name, unlink_if_exists
-from nemo_safe.barrier import Backoff, Progress, _env_seconds, default_timeout
 from nemo_safe.errors import ConfigurationError, LeaderFailed, WaitTimeout
+from nemo_safe.waiting import Backoff, Progress, default_timeout, env_seconds
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class SingleFlight:
         self.what = what or f"{name} in {self.directory}"
         self.preferred = preferred
         self.timeout = default_timeout() if timeout is None else timeout
-        self.stale_after = _env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER) if stale_after is None else stale_after
+        self.stale_after = env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER) if stale_after is None else stale_after
         self.host = socket.gethostname()
         self.nonce = os.urandom(8).hex()
         #: True when this process ran the job (tests and the demo report it).

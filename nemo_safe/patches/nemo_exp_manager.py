@@ -119,26 +119,42 @@ def ordered_identity(trainer: Any) -> cluster_identity.ClusterIdentity | None:
     return ident
 
 
+def check_resume_in_order(
+    check_resume: Callable[..., Any], trainer: Any, log_dir: Any, *args: Any, **kwargs: Any
+) -> cluster_identity.ClusterIdentity | None:
+    """Run ``check_resume`` on global rank 0 first and on the other ranks after it returned.
+
+    Every rank arrives at a filesystem barrier in ``log_dir`` before rank 0 lists
+    ``log_dir``, so rank 0 never archives a file of the current run, and no rank
+    reads ``log_dir`` while rank 0 moves old files out of it. An exception on
+    rank 0 reaches every rank. Returns the identity the ranks were ordered by,
+    or None when there was nothing to order (one process, no launcher).
+    """
+    ident = ordered_identity(trainer)
+    if ident is None or not log_dir:
+        check_resume(trainer, log_dir, *args, **kwargs)
+        return None
+    root = Path(log_dir)
+    if root.exists() and not os.access(root, os.W_OK):
+        raise ConfigurationError(
+            f"exp_manager: log_dir {root} is not writable from rank {ident.rank}; rank 0 must move old "
+            "files there and every rank writes logs there. Fix its permissions or choose another exp_dir."
+        )
+    if ident.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)  # exp_manager creates it right after check_resume anyway
+    # keep_parent: removing the hidden directory would make an entry vanish under ranks listing log_dir.
+    with rank_zero_first(
+        root, ident.world_size, BARRIER_NAME, rank=ident.rank, attempt_key=ident.attempt_key, keep_parent=True
+    ):
+        check_resume(trainer, log_dir, *args, **kwargs)
+    return ident
+
+
 def _make_safe_check_resume(original: Callable[..., Any], gate: _SleepGate) -> Callable[..., Any]:
-    def check_resume(trainer: Any, log_dir: Any, *args: Any, **kwargs: Any) -> Any:
+    def check_resume(trainer: Any, log_dir: Any, *args: Any, **kwargs: Any) -> None:
         gate.arm(False)
-        ident = ordered_identity(trainer)
-        if ident is None or not log_dir:
-            return original(trainer, log_dir, *args, **kwargs)
-        root = Path(log_dir)
-        if root.exists() and not os.access(root, os.W_OK):
-            raise ConfigurationError(
-                f"exp_manager: log_dir {root} is not writable from rank {ident.rank}; rank 0 must move old "
-                "files there and every rank writes logs there. Fix its permissions or choose another exp_dir."
-            )
-        if ident.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)  # upstream creates it right after check_resume
-        with rank_zero_first(
-            root, ident.world_size, BARRIER_NAME, rank=ident.rank, attempt_key=ident.attempt_key, keep_parent=True
-        ):
-            result = original(trainer, log_dir, *args, **kwargs)
-        gate.arm(ident.rank != 0)
-        return result
+        ident = check_resume_in_order(original, trainer, log_dir, *args, **kwargs)
+        gate.arm(ident is not None and ident.rank != 0)
 
     check_resume.__wrapped__ = original  # type: ignore[attr-defined]
     check_resume.__doc__ = original.__doc__

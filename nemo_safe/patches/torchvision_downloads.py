@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from nemo_safe.atomic_files import owned_temp_name, sweep_stale_temps, unlink_if_exists
+from nemo_safe.atomic_files import merge_tree, owned_temp_name, seal, sibling_temp, sweep_stale_temps, unlink_if_exists
 from nemo_safe.errors import ChecksumMismatch, DownloadIncomplete
 from nemo_safe.patching import Patch, Undo
 
@@ -90,27 +90,18 @@ def _md5_for(path: str) -> str | None:
     return (getattr(_expected, "table", None) or {}).get(path)
 
 
-def _temp_for(final: str) -> str:
-    directory, name = os.path.split(final)
-    sweep_stale_temps(directory)
-    return os.path.join(directory, owned_temp_name(name))
+def urlretrieve(
+    url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32, md5: str | None = None
+) -> None:
+    """Download ``url`` to ``filename`` so that ``filename`` never holds a partial or wrong file.
 
-
-def _seal(tmp: str, final: str) -> None:
-    """Make the complete temporary durable, then the final name."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-
-
-def urlretrieve(url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32) -> None:
-    """``utils._urlretrieve``, published atomically and checked against the announced size and md5."""
+    The bytes go to a temporary sibling (the writer's host and pid in its name) and are renamed
+    into place only when all announced bytes arrived and, given ``md5``, the md5 matches. Other
+    processes reading or downloading the same file at the same time never see a partial one.
+    """
     utils = sys.modules[MODULE]
     final = os.path.abspath(os.fspath(filename))
-    tmp = _temp_for(final)
+    tmp = sibling_temp(final)
     digest = hashlib.md5(usedforsecurity=False)
     received = 0
     try:
@@ -134,14 +125,13 @@ def urlretrieve(url: str, filename: str | os.PathLike[str], chunk_size: int = 10
                 f"download of {url} ended after {received} of {announced} bytes; nothing was written to "
                 f"{final}. Retry, or check the server or proxy."
             )
-        md5 = _md5_for(final)
         if md5 is not None and digest.hexdigest() != md5:
             raise ChecksumMismatch(
                 f"File not found or corrupted: {url} has md5 {digest.hexdigest()} ({received} bytes), expected "
                 f"{md5}; nothing was written to {final}. The mirror serves other bytes than the dataset "
                 "declares: try another mirror."
             )
-        _seal(tmp, final)
+        seal(tmp, final)
     finally:
         unlink_if_exists(tmp)
 
@@ -151,43 +141,37 @@ def decompress(
     to_path: str | os.PathLike[str] | None = None,
     remove_finished: bool = False,
 ) -> pathlib.Path:
-    """``utils._decompress``, streamed into a temporary and renamed into place when complete."""
+    """Decompress ``from_path`` into a temporary sibling of ``to_path``, renamed into place when complete."""
     utils = sys.modules[MODULE]
     suffix, archive_type, compression = utils._detect_file_type(from_path)
     if not compression:
         raise RuntimeError(f"Couldn't detect a compression from suffix {suffix}.")
+
     if to_path is None:
         to_path = pathlib.Path(os.fspath(from_path).replace(suffix, archive_type if archive_type is not None else ""))
+
+    # We don't need to check for a missing key here, since this was already done in _detect_file_type()
+    compressed_file_opener = utils._COMPRESSED_FILE_OPENERS[compression]
+
+    # Decompress into a temporary sibling, streamed, and rename it into place when complete.
     final = os.path.abspath(os.fspath(to_path))
-    tmp = _temp_for(final)
+    tmp = sibling_temp(final)
     try:
-        with utils._COMPRESSED_FILE_OPENERS[compression](from_path, "rb") as rfh, open(tmp, "xb") as wfh:
+        with compressed_file_opener(from_path, "rb") as rfh, open(tmp, "xb") as wfh:
             shutil.copyfileobj(rfh, wfh, 1 << 20)
-        _seal(tmp, final)
+        seal(tmp, final)
     finally:
         unlink_if_exists(tmp)
+
     if remove_finished:
         os.remove(from_path)
+
     return pathlib.Path(to_path)
 
 
-def _merge(staging: str, dest: str) -> None:
-    """Move every file of ``staging`` to the same place under ``dest``, one atomic rename each."""
-    for top, dirs, files in os.walk(staging):
-        rel = os.path.relpath(top, staging)
-        target = os.path.normpath(os.path.join(dest, rel))
-        os.makedirs(target, exist_ok=True)
-        for name in list(dirs):
-            if os.path.islink(os.path.join(top, name)):
-                dirs.remove(name)
-                files.append(name)
-        for name in files:
-            os.replace(os.path.join(top, name), os.path.join(target, name))
-
-
 def atomic_extractor(original: Callable[..., None]) -> Callable[..., None]:
-    """Wrap a ``_ARCHIVE_EXTRACTORS`` entry: extract into a temporary folder inside the
-    destination, then rename each file into place."""
+    """Wrap an archive extractor: extract into a temporary folder inside the destination,
+    then rename each file into place, so no reader sees a partially written file."""
 
     @functools.wraps(original)
     def extract(from_path: Any, to_path: Any, compression: str | None) -> None:
@@ -198,11 +182,18 @@ def atomic_extractor(original: Callable[..., None]) -> Callable[..., None]:
         os.mkdir(staging)
         try:
             original(from_path, staging, compression)
-            _merge(staging, dest)
+            merge_tree(staging, dest)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
     return extract
+
+
+def _urlretrieve_expecting_md5(url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32) -> None:
+    """What replaces ``utils._urlretrieve``: upstream's ``download_url`` does not pass the md5 to it,
+    so the md5 comes from the :func:`md5_aware` wrapper around ``download_url`` in this thread."""
+    md5 = _md5_for(os.path.abspath(os.fspath(filename)))
+    urlretrieve(url, filename, chunk_size, md5=md5)
 
 
 def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
@@ -235,7 +226,7 @@ def _apply_utils(utils: ModuleType) -> Undo | None:
         return None
     saved = {name: getattr(utils, name) for name in ("_urlretrieve", "_decompress", "download_url")}
     saved_extractors = dict(utils._ARCHIVE_EXTRACTORS)
-    utils._urlretrieve = urlretrieve
+    utils._urlretrieve = _urlretrieve_expecting_md5
     utils._decompress = decompress
     _ORIGINAL_DECOMPRESS[:] = [saved["_decompress"]]
     utils.download_url = md5_aware(saved["download_url"])

@@ -1,0 +1,77 @@
+"""Pristine upstream releases as git repositories: the base the patch series is made against
+and verified on.
+
+The sources come from the release wheels on the package index (what users run), cached
+by file name; a wheel holds the package tree at the same paths as the upstream repository
+(``nemo/...``, ``torchvision/...``), so a series made here applies to a checkout too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+CACHE = Path(os.environ.get("NEMO_SAFE_CACHE", Path.home() / ".cache" / "nemo_safe")) / "wheels"
+
+#: Fixed identity and dates: regenerating the series must give the same bytes.
+AUTHOR_NAME = "nemo_safe maintainers"
+AUTHOR_EMAIL = "nemo-safe@users.noreply.github.com"
+DATE = "2026-11-30T12:00:00+00:00"
+
+
+def git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(
+        GIT_AUTHOR_NAME=AUTHOR_NAME,
+        GIT_AUTHOR_EMAIL=AUTHOR_EMAIL,
+        GIT_COMMITTER_NAME=AUTHOR_NAME,
+        GIT_COMMITTER_EMAIL=AUTHOR_EMAIL,
+        GIT_AUTHOR_DATE=DATE,
+        GIT_COMMITTER_DATE=DATE,
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+    )
+    return env
+
+
+def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(["git", *args], cwd=repo, env=git_env(), capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} in {repo} failed:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def fetch_wheel(distribution: str, version: str) -> Path:
+    """The release wheel from the package index (``pip download``), cached."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    prefix = f"{distribution.replace('-', '_')}-{version}-"
+    cached = sorted(CACHE.glob(prefix + "*.whl"))
+    if cached:
+        return cached[0]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(CACHE),
+         f"{distribution}=={version}"],
+        check=True,
+    )  # fmt: skip
+    cached = sorted(CACHE.glob(prefix + "*.whl"))
+    if not cached:
+        raise RuntimeError(f"pip download {distribution}=={version} gave no wheel in {CACHE}")
+    return cached[0]
+
+
+def pristine_repo(distribution: str, version: str, dest: Path) -> Path:
+    """A git repository at ``dest`` whose one commit is the release's sources."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    with zipfile.ZipFile(fetch_wheel(distribution, version)) as wheel:
+        members = [m for m in wheel.namelist() if ".dist-info/" not in m and not m.endswith("/")]
+        wheel.extractall(dest, members)
+    git(dest, "init", "-q", "-b", "main")
+    git(dest, "add", "-A")
+    git(dest, "commit", "-q", "-m", f"{distribution} {version} as released")
+    return dest

@@ -1,0 +1,76 @@
+"""Waiting on other processes through a shared filesystem: backoff, progress lines, timeouts.
+
+Polling is the only portable way to wait on NFS, Lustre and GPFS (no inotify,
+node-local flock), so it has to be quick when the wait is about to end and
+gentle on a shared metadata server when it is not.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+from nemo_safe.errors import ConfigurationError
+
+DEFAULT_TIMEOUT = 1800.0
+TIMEOUT_ENV = "NEMO_SAFE_BARRIER_TIMEOUT"
+POLL_MIN = 0.002
+PROGRESS_EVERY = 5.0
+
+
+def env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConfigurationError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def default_timeout() -> float:
+    """Seconds to wait for other processes: ``NEMO_SAFE_BARRIER_TIMEOUT`` or 30 minutes."""
+    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+
+
+class Backoff:
+    """Jittered exponential backoff with a cap: quick when the barrier is about to
+    open, gentle on a shared metadata server when it is not."""
+
+    def __init__(self, cap: float, start: float = POLL_MIN, factor: float = 1.6) -> None:
+        self.cap, self.start, self.factor = cap, start, factor
+        self.reset()
+
+    def reset(self) -> None:
+        self._next = self.start
+
+    def sleep(self, deadline: float) -> None:
+        delay = self._next * random.uniform(0.75, 1.0)
+        self._next = min(self.cap, self._next * self.factor)
+        # time.sleep is restarted after signal handlers (PEP 475), so SIGUSR1
+        # handlers run and SIGTERM still ends the process.
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+
+
+class Progress:
+    """Rate-limits the 'still waiting' log line."""
+
+    def __init__(self, every: float = PROGRESS_EVERY) -> None:
+        self.every = every
+        self.start = time.monotonic()
+        self._last = self.start
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            return True
+        return False
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
