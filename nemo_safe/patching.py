@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,35 @@ class Patch:
     name: str
     apply: Callable[[ModuleType], Undo | None]
     describe: Callable[[ModuleType], str] | None = None
+
+
+_CURRENT = object()
+
+
+class Replacements:
+    """The attribute and mapping-item replacements one patch makes, so that its undo is one call.
+
+    ``original`` is what undo restores when it differs from the current value (a class
+    attribute inherited or a module that already bound the patched function).
+    """
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def set(self, obj: object, name: str, value: object, original: object = _CURRENT) -> None:
+        previous = getattr(obj, name) if original is _CURRENT else original
+        setattr(obj, name, value)
+        self._undo.append(lambda: setattr(obj, name, previous))
+
+    def set_item(self, mapping: dict[Any, Any], key: object, value: object) -> None:
+        previous = mapping[key]
+        mapping[key] = value
+        self._undo.append(lambda: mapping.__setitem__(key, previous))
+
+    def undo(self) -> None:
+        """Restore everything, newest first."""
+        while self._undo:
+            self._undo.pop()()
 
 
 _lock = threading.RLock()

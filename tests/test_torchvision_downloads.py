@@ -450,3 +450,26 @@ def test_every_mnist_family_class_is_patched() -> None:
         name, download, check = line.split()
         assert download == "single_flight_download.<locals>.download", line
         assert check == "validating_check_exists.<locals>._check_exists", line
+
+
+UNPATCH_PROGRAM = """
+import torchvision.datasets as d, torchvision.datasets.utils as u, torchvision.datasets.svhn as svhn
+def state():
+    return [u._urlretrieve, u._decompress, u.download_url, dict(u._ARCHIVE_EXTRACTORS), svhn.download_url,
+            *(c.__dict__[m] for c in (d.MNIST, d.EMNIST, d.QMNIST) for m in ("download", "_check_exists"))]
+before = state()
+import nemo_safe
+patched = state()
+nemo_safe.unpatch()
+after = state()
+print(sum(a is not b and a != b for a, b in zip(before, patched)), len(before), after == before)
+"""
+
+
+def test_unpatch_restores_every_torchvision_function() -> None:
+    """torchvision imported first, then nemo_safe: every replaced name changes, and unpatch() puts
+    back the very same objects (utils, the extractor table, a dataset module's own binding, MNIST)."""
+    out = subprocess.run(
+        [sys.executable, "-c", UNPATCH_PROGRAM], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["11", "11", "True"], out.stdout + out.stderr[-2000:]

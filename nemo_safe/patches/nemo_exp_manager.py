@@ -38,7 +38,7 @@ from typing import Any
 from nemo_safe import cluster_identity
 from nemo_safe.barrier import rank_zero_first
 from nemo_safe.errors import ConfigurationError
-from nemo_safe.patching import Patch, Undo
+from nemo_safe.patching import Patch, Replacements, Undo
 
 log = logging.getLogger(__name__)
 
@@ -199,17 +199,12 @@ def apply(module: ModuleType) -> Undo | None:
                 ", ".join(KNOWN_CHECK_RESUME.values()),
             )
         return None
-    saved = {name: getattr(module, name) for name in ("check_resume", "exp_manager", "time")}
-    gate = _SleepGate(saved["time"] if isinstance(saved["time"], ModuleType) else _time)
-    module.check_resume = _make_safe_check_resume(saved["check_resume"], gate)
-    module.exp_manager = _make_safe_exp_manager(saved["exp_manager"])
-    module.time = gate
-
-    def undo() -> None:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-    return undo
+    gate = _SleepGate(module.time if isinstance(module.time, ModuleType) else _time)
+    changes = Replacements()
+    changes.set(module, "check_resume", _make_safe_check_resume(module.check_resume, gate))
+    changes.set(module, "exp_manager", _make_safe_exp_manager(module.exp_manager))
+    changes.set(module, "time", gate)
+    return changes.undo
 
 
 def describe(module: ModuleType) -> str:

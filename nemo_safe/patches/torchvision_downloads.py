@@ -39,7 +39,7 @@ from typing import Any
 
 from nemo_safe.atomic_files import merge_tree, owned_temp_name, seal, sibling_temp, sweep_stale_temps, unlink_if_exists
 from nemo_safe.errors import ChecksumMismatch, DownloadIncomplete
-from nemo_safe.patching import Patch, Undo
+from nemo_safe.patching import Patch, Replacements, Undo
 
 log = logging.getLogger(__name__)
 
@@ -224,22 +224,14 @@ def _apply_utils(utils: ModuleType) -> Undo | None:
             ", ".join(KNOWN_UTILS.values()),
         )
         return None
-    saved = {name: getattr(utils, name) for name in ("_urlretrieve", "_decompress", "download_url")}
-    saved_extractors = dict(utils._ARCHIVE_EXTRACTORS)
-    utils._urlretrieve = _urlretrieve_expecting_md5
-    utils._decompress = decompress
-    _ORIGINAL_DECOMPRESS[:] = [saved["_decompress"]]
-    utils.download_url = md5_aware(saved["download_url"])
-    for suffix, extractor in saved_extractors.items():
-        utils._ARCHIVE_EXTRACTORS[suffix] = atomic_extractor(extractor)
-
-    def undo() -> None:
-        for name, value in saved.items():
-            setattr(utils, name, value)
-        utils._ARCHIVE_EXTRACTORS.clear()
-        utils._ARCHIVE_EXTRACTORS.update(saved_extractors)
-
-    return undo
+    _ORIGINAL_DECOMPRESS[:] = [utils._decompress]
+    changes = Replacements()
+    changes.set(utils, "_urlretrieve", _urlretrieve_expecting_md5)
+    changes.set(utils, "_decompress", decompress)
+    changes.set(utils, "download_url", md5_aware(utils.download_url))
+    for suffix, extractor in list(utils._ARCHIVE_EXTRACTORS.items()):
+        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, atomic_extractor(extractor))
+    return changes.undo
 
 
 def _apply_bindings(package: ModuleType) -> Undo | None:
@@ -252,7 +244,7 @@ def _apply_bindings(package: ModuleType) -> Undo | None:
         "download_url": (utils.download_url.__wrapped__, utils.download_url),
         "_decompress": (_ORIGINAL_DECOMPRESS[0], utils._decompress),
     }
-    rebound: list[tuple[ModuleType, str, Any]] = []
+    changes = Replacements()
     for mod_name, module in list(sys.modules.items()):
         if not mod_name.startswith(PACKAGE + ".") or module is None or module is utils:
             continue
@@ -260,14 +252,8 @@ def _apply_bindings(package: ModuleType) -> Undo | None:
             # A module imported after the utils patch bound the patched function already;
             # record it too, so that undo restores the original there as well.
             if getattr(module, attr, None) in (original, patched):
-                setattr(module, attr, patched)
-                rebound.append((module, attr, original))
-
-    def undo() -> None:
-        for module, attr, original in rebound:
-            setattr(module, attr, original)
-
-    return undo
+                changes.set(module, attr, patched, original=original)
+    return changes.undo
 
 
 def _describe(module: ModuleType) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 from nemo_safe import cluster_identity, idx_files
 from nemo_safe.errors import NemoSafeError
-from nemo_safe.patching import Patch, Undo
+from nemo_safe.patching import Patch, Replacements, Undo
 from nemo_safe.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -124,19 +124,13 @@ def _apply(module: ModuleType) -> Undo | None:
             ", ".join(KNOWN_MNIST.values()),
         )
         return None
-    saved: list[tuple[type, str, Any]] = []
+    changes = Replacements()
     for cls_name in CLASSES:
         cls = getattr(module, cls_name)
         for method, wrap in (("download", single_flight_download), ("_check_exists", validating_check_exists)):
-            original = cls.__dict__[method]
-            saved.append((cls, method, original))
-            setattr(cls, method, wrap(original))
-
-    def undo() -> None:
-        for cls, method, original in saved:
-            setattr(cls, method, original)
-
-    return undo
+            original = cls.__dict__[method]  # the class's own, not an inherited one
+            changes.set(cls, method, wrap(original), original=original)
+    return changes.undo
 
 
 def _describe(module: ModuleType) -> str:
