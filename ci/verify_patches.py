@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "upstream"))
@@ -40,6 +40,7 @@ VENVS = {("nemo", "3.0.0"): ".venv", ("nemo", "2.7.3"): ".venv-nemo273", ("torch
 RACE_TESTS = {
     "nemo": {
         "tests/core/test_exp_manager_resume_race.py": ["test_check_resume_moves_old_files_before_other_ranks_continue"],
+        "tests/core/test_exp_manager_srun_log_names.py": ["test_every_srun_task_gets_its_own_log_file"],
     },
     "torchvision": {
         "test/test_datasets_utils_atomic.py": [
@@ -65,6 +66,8 @@ class Outcome:
     skipped: list[str]
     seconds: float
     log: str = ""
+    #: test name -> the first line of its failure message
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 def _python(project: str, version: str) -> str:
@@ -133,6 +136,11 @@ def _run_tests(project: str, python: str, path_entry: Path, tree: Path, tests: l
             else outcome.skipped if "skipped" in kinds else outcome.passed
         )  # fmt: skip
         bucket.append(name)
+        for child in case:
+            if child.tag == "failure":
+                outcome.reasons[name] = (
+                    (child.get("message") or "").splitlines()[0][:160] if child.get("message") else ""
+                )
     return outcome
 
 
@@ -175,6 +183,7 @@ def verify(series: Series, version: str, work: Path) -> list[str]:
         f"  unpatched: {len(upstream.failed)} race tests failed as expected "
         f"({', '.join(sorted(upstream.failed))}), {len(upstream.passed)} passed, in {upstream.seconds:.0f} s"
     )
+    lines += [f"    {name}: {reason}" for name, reason in sorted(upstream.reasons.items())]
     return lines
 
 

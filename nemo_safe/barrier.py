@@ -164,7 +164,7 @@ class Barrier:
         self.parent = os.path.join(self.root, BARRIER_DIRNAME)
         #: Leave the (empty) hidden parent after success. For directories other ranks keep
         #: listing and stat-ing (NeMo's log_dir): removing it would be an entry vanishing
-        #: between their listdir and stat, the very race the overlay removes.
+        #: between their listdir and stat, the very race this barrier is there to remove.
         self.keep_parent = keep_parent
         self.path = os.path.join(self.parent, f"{self.name}.{self.attempt_key}.{seq}")
         self.nonce = secrets.token_hex(8)

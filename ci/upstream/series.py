@@ -108,6 +108,7 @@ NEMO_BARRIER = Path("nemo/utils/fs_barrier")
 NEMO_RENAMES = {
     "Exceptions raised by nemo_safe.": "Exceptions raised by NeMo's filesystem barrier.",
     "every error nemo_safe raises": "every error of the filesystem barrier",
+    "~nemo_safe.": "~nemo.utils.fs_barrier.",
     "NemoSafeError": "FilesystemBarrierError",
     ".nemo_safe": ".nemo_barrier",
     "NEMO_SAFE_POLL_MAX": "NEMO_BARRIER_POLL_MAX",
@@ -220,6 +221,18 @@ def _nemo_exp_manager(tree: Path) -> None:
     _copy_tests("nemo", tree, "tests/core/test_exp_manager_resume_race.py")
 
 
+def _nemo_local_rank(tree: Path) -> None:
+    path = tree / "nemo/utils/exp_manager.py"
+    code = definitions("patches.nemo_exp_manager", ("local_rank_from_launcher",))
+    insert_before_def(path, "exp_manager", rename(code, NEMO_RENAMES))
+    replace_once(
+        path,
+        '    local_rank = int(os.environ.get("LOCAL_RANK", 0))\n',
+        "    local_rank = local_rank_from_launcher()\n",
+    )
+    _copy_tests("nemo", tree, "tests/core/test_exp_manager_srun_log_names.py")
+
+
 NEMO = Series(
     project="nemo",
     distribution="nemo_toolkit",
@@ -289,6 +302,31 @@ passes after it, on nemo_toolkit 3.0.0 and 2.7.3.
 """,
             _nemo_exp_manager,
         ),
+        UpstreamPatch(
+            "exp-manager-local-rank-under-srun",
+            "exp_manager: take the local rank from the launcher when LOCAL_RANK is unset",
+            """
+exp_manager() computes global_rank = node_rank * num_devices + LOCAL_RANK,
+with LOCAL_RANK defaulting to 0. It runs before trainer.fit(), and under
+srun nothing has exported LOCAL_RANK yet (Lightning's SLURM environment
+reads SLURM_LOCALID and exports nothing before fit()), so every task of a
+node gets the node's first global rank: the per-rank log files
+nemo_log_globalrank-<g>_localrank-<l>.txt of all tasks of a node collapse
+into one file that they all append to, and logging.rank is wrong on all but
+one task of each node.
+
+Use LOCAL_RANK when it is set (torchrun, Lightning's own launcher) and the
+launcher's local rank otherwise (SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK,
+...), through nemo.utils.fs_barrier's launcher detection. One process
+without a launcher: 0, as before.
+
+Tested: tests/core/test_exp_manager_srun_log_names.py runs exp_manager in
+a real srun step of 2 nodes x 2 tasks (skipped where no SLURM cluster
+answers) and requires 4 distinct per-rank log files; before this change
+there are 2.
+""",
+            _nemo_local_rank,
+        ),
     ),
 )
 
@@ -299,6 +337,7 @@ TV_PACKAGE = Path("torchvision/datasets/_safe_download")
 TV_RENAMES = {
     "Exceptions raised by nemo_safe.": "Exceptions raised by torchvision's dataset downloads.",
     "every error nemo_safe raises": "every error of a dataset download",
+    "~nemo_safe.": "~torchvision.datasets._safe_download.",
     "NemoSafeError": "DownloadError",
     ".nemo_safe": ".torchvision_download",
     "NEMO_SAFE_BARRIER_TIMEOUT": "TORCHVISION_DOWNLOAD_TIMEOUT",

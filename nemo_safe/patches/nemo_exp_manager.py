@@ -161,12 +161,25 @@ def _make_safe_check_resume(original: Callable[..., Any], gate: _SleepGate) -> C
     return check_resume
 
 
+def local_rank_from_launcher() -> int:
+    """``LOCAL_RANK``, or else the launcher's local rank.
+
+    exp_manager runs before ``fit()``, and under ``srun`` nothing has exported
+    ``LOCAL_RANK`` yet: taking 0 gives every task of a node the same global rank
+    and the same ``nemo_log_globalrank-*_localrank-0.txt`` file.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    ident = cluster_identity.detect()
+    return ident.local_rank if ident.launcher != "none" else 0
+
+
 def _make_safe_exp_manager(original: Callable[..., Any]) -> Callable[..., Any]:
     def exp_manager(trainer: Any, cfg: Any = None) -> Any:
         ident = cluster_identity.detect()
         if "LOCAL_RANK" in os.environ or ident.launcher == "none" or not ident.is_multi_process:
             return original(trainer, cfg)
-        os.environ["LOCAL_RANK"] = str(ident.local_rank)  # upstream reads it for its per-rank log file name
+        os.environ["LOCAL_RANK"] = str(local_rank_from_launcher())  # upstream names its per-rank log file by it
         try:
             return original(trainer, cfg)
         finally:

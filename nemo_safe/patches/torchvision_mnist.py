@@ -1,6 +1,6 @@
 """MNIST, FashionMNIST, KMNIST, EMNIST, QMNIST: one download per dataset folder, and repair.
 
-Upstream every process that builds ``MNIST(root, download=True)`` downloads
+In torchvision 0.29.1 every process that builds ``MNIST(root, download=True)`` downloads
 and extracts into the same files at once (the FSDP tutorial does exactly that),
 and ``_check_exists()`` only tests that the raw files exist, so an empty or
 truncated one left by a killed process crashes every later load. EMNIST even

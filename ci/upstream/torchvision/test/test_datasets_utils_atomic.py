@@ -138,7 +138,7 @@ def test_download_url_broken_off_leaves_no_file(server, tmp_path):
         try:
             download_url(url, tmp_path, filename="blob.bin", md5=None)
         finally:
-            # Checked whether or not download_url raised: upstream 0.29.1 returns normally here.
+            # Checked whether or not download_url raised: before atomic downloads, 0.29.1 returned normally here.
             _assert_nothing_published(tmp_path)
 
     assert ("blob.bin", False) in server.requests
