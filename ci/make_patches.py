@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -72,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if args.check:
             print("make_patches: patches/ matches the code")
-    shutil.rmtree(REPO / "patches" / "__pycache__", ignore_errors=True)
     return 0
 
 

@@ -138,9 +138,8 @@ def _run_tests(project: str, python: str, path_entry: Path, tree: Path, tests: l
         bucket.append(name)
         for child in case:
             if child.tag == "failure":
-                outcome.reasons[name] = (
-                    (child.get("message") or "").splitlines()[0][:160] if child.get("message") else ""
-                )
+                message = child.get("message") or ""
+                outcome.reasons[name] = message.splitlines()[0][:160] if message else ""
     return outcome
 
 

@@ -64,6 +64,14 @@ def definitions(module: str, names: Iterable[str]) -> str:
     return "\n\n".join(found[n].rstrip() + "\n" for n in names)
 
 
+def constant(module: str, name: str) -> object:
+    """The literal value of a top-level constant of an overlay module (``CLASSES = (...)``)."""
+    for node in ast.parse(overlay_file(module).read_text()).body:
+        if name in _defined_names(node) and isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            return ast.literal_eval(node.value)
+    raise EditError(f"{overlay_file(module)}: no top-level constant {name}")
+
+
 def module_source(module: str, keep: Iterable[str] | None = None) -> str:
     """An overlay module as an upstream module: docstring, imports and (all or the kept)
     top-level definitions; ``from nemo_safe[.x] import`` becomes a relative import."""
@@ -82,7 +90,7 @@ def module_source(module: str, keep: Iterable[str] | None = None) -> str:
             parts.append(_segment(lines, node))
             continue
         names = _defined_names(node)
-        if wanted is None or names & wanted or (not names and wanted is None):
+        if wanted is None or names & wanted:
             parts.append(_segment(lines, node))
             seen |= names
     if wanted is not None and wanted - seen:
