@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "upstream"))
 
 from releases import AUTHOR_EMAIL, AUTHOR_NAME, git, pristine_repo
 from series import ALL, Series
+from source_edit import check_names_defined
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
@@ -33,6 +34,8 @@ def generate(series: Series, work: Path, out: Path) -> list[Path]:
     for patch in series.patches:
         patch.apply(repo)
         git(repo, "add", "-A")
+        changed = git(repo, "diff", "--cached", "--name-only", "--diff-filter=AM", "--", "*.py").stdout.split()
+        check_names_defined(repo, changed)
         git(repo, "commit", "-q", "-m", patch.message(f"{AUTHOR_NAME} <{AUTHOR_EMAIL}>"))
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.patch"):

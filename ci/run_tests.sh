@@ -41,11 +41,14 @@ echo "run_tests: pytest (nemo_toolkit 3.0.0)"
 .venv/bin/python -m pytest tests "$@"
 echo "run_tests: pytest, NeMo tests again (nemo_toolkit 2.7.3)"
 # Release-dependent behaviour only: the race and its twin, training + resume, the version guard, import orders,
-# one process. The fault cases (killed task, read-only log_dir, devices/tasks mismatch), the demo command and
-# Lightning's local launcher exercise nemo_safe's own code, identical for both releases: run once, above.
+# one process, the exp_manager configuration matrix under torchrun (2.7.3 writes per-rank log files always).
+# The fault cases (killed task, read-only log_dir, devices/tasks mismatch), the demo command, Lightning's local
+# launcher and the matrix's srun, node-local and restart runs exercise nemo_safe's own code over get_log_dir and
+# check_resume, identical in both releases: run once, above.
 status=0
-.venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py \
-    -k "not demo_command and not local_launcher and not killed and not read_only and not mismatch" "$@" \
+.venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py \
+    -k "not demo_command and not local_launcher and not killed and not read_only and not mismatch \
+        and not srun_two_nodes and not node_local and not restart" "$@" \
     || status=$?
 [ "$status" = 0 ] || [ "$status" = 5 ]  # 5: the extra arguments selected no NeMo test
 

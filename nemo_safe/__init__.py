@@ -7,7 +7,7 @@ It imports nothing heavy itself: no torch, lightning, nemo or torchvision.
 Public API::
 
     nemo_safe.rank_zero_first(directory, world_size, name)   # context manager
-    nemo_safe.Barrier                                        # the barrier itself
+    nemo_safe.Barrier                                        # the barrier itself (gather/open, wait)
     nemo_safe.detect_identity()                              # rank, world size, attempt key
     nemo_safe.SingleFlight(directory, name).run(job, done)   # one process does a job, the others wait
     nemo_safe.patch() / nemo_safe.unpatch()                  # (re)apply / undo the patches
@@ -26,6 +26,7 @@ from nemo_safe.errors import (
     DownloadIncomplete,
     LeaderFailed,
     NemoSafeError,
+    RankZeroAbsent,
     RankZeroFailed,
     UnsafeBarrierPath,
     WaitTimeout,
@@ -43,6 +44,7 @@ __all__ = [
     "DownloadIncomplete",
     "LeaderFailed",
     "NemoSafeError",
+    "RankZeroAbsent",
     "RankZeroFailed",
     "SingleFlight",
     "UnsafeBarrierPath",

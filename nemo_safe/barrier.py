@@ -1,67 +1,66 @@
-"""A barrier over a shared directory that works before ``torch.distributed`` exists.
+"""Rank 0 first, every other rank after it: a barrier that works before ``torch.distributed`` exists.
 
-Protocol (only atomic create/rename, no file locks: flock is node-local or a
-no-op on many NFS, Lustre and GPFS mounts)::
+The records live in a :class:`~nemo_safe.barrier_channels.Channel`: a shared
+directory (no file locks: flock is node-local or a no-op on many NFS, Lustre and
+GPFS mounts) or torchrun's agent store. Protocol::
 
-    <directory>/.nemo_safe/<name>.<attempt key>.<n>/
-        state                                 rank 0 only: {phase: collect|done, session, ...}
-        arrive.<session>.<rank>.<world>.<nonce>   one per waiting rank, answering that session
+    state       rank 0 only: {phase: collect|done, session, accepted, outcome, payload, ...}
+    arrive.<session>.<rank>.<world>.<nonce>   one per waiting rank, answering that session
 
-1. Rank 0 creates the directory and publishes ``state`` = collect with a fresh
-   random *session*.
-2. Every other rank polls ``state`` (one file per poll, after re-opening the
-   directory so NFS revalidates cached negative lookups). When it sees a
-   collect state it publishes its arrival for that session (rank, host, pid
-   and a random nonce, written to a temporary name and renamed).
-3. Rank 0 lists the directory until every rank has answered its session, runs
-   its work, and publishes ``state`` = done with the accepted nonces and the
-   outcome (ok, or the exception type and text).
-4. A waiter accepts only a done state listing its own nonce, so files left by
-   an earlier attempt with the same key can never release anyone: stale
+1. Rank 0 publishes ``state`` = collect with a fresh random *session*.
+2. Every other rank polls ``state`` (one record per poll). When it sees a
+   session it has not answered, it publishes its arrival for that session
+   (rank, host, pid and a random nonce).
+3. Rank 0 either waits until every rank has answered (:meth:`Barrier.gather`,
+   a true barrier) or does not wait at all (:meth:`Barrier.open`); it runs its
+   work and publishes ``state`` = done with the nonces it accepted, the
+   outcome (ok, or the exception type and text) and an optional payload. After
+   :meth:`~Barrier.open`, a background thread keeps accepting ranks that answer
+   later, so nobody waits for anyone but rank 0.
+4. A waiter accepts only a done state listing its own nonce, so records left
+   by an earlier attempt with the same key can never release anyone: stale
    arrivals answered a dead session, and a stale outcome lists dead nonces.
-5. Each waiter deletes its arrival when released; rank 0 deletes ``state`` and
-   the empty directories once every accepted arrival is gone. Each process
-   deletes only what it created, and a successful barrier leaves nothing. A
-   failed one leaves ``state`` (the failure) so that late ranks stop with rank
-   0's reason; the next attempt replaces it.
+   Where the attempt key names one attempt only (SLURM, MPI), rank 0 also
+   claims its place exclusively, and a waiter arriving after rank 0 stopped
+   accepting takes the outcome as it is.
+5. Each waiter withdraws its arrival when released; rank 0 removes ``state``
+   once every accepted arrival is gone. A failed barrier leaves ``state`` (the
+   failure) so that late ranks stop with rank 0's reason.
 
-A rank that never arrives makes rank 0 time out naming the missing ranks, and
-rank 0 publishes that failure so the arrived ranks stop too. A rank 0 that
-dies makes the others time out saying rank 0 never finished.
+A waiter given a *grace* also publishes its presence at once; if rank 0 has
+shown no sign within the grace and not every other rank is present either, the
+ranks may not share this directory at all (node-local disks, different
+working directories), and it raises :class:`~nemo_safe.errors.RankZeroAbsent`
+so that the caller can carry on without the barrier.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import secrets
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from nemo_safe import cluster_identity
-from nemo_safe.atomic_files import publish, read_if_exists, unlink_if_exists
+from nemo_safe.barrier_channels import Arrival, Channel, FileChannel
 from nemo_safe.errors import (
     BarrierTimeout,
     ConfigurationError,
     NemoSafeError,
+    RankZeroAbsent,
     RankZeroFailed,
-    UnsafeBarrierPath,
 )
 from nemo_safe.waiting import POLL_MIN, Backoff, Progress, default_timeout, env_seconds
 
 log = logging.getLogger(__name__)
 
-BARRIER_DIRNAME = ".nemo_safe"
-STATE_NAME = "state"
-ARRIVE_PREFIX = "arrive."
 POLL_MAX_ENV = "NEMO_SAFE_POLL_MAX"
 #: Poll cap: 50 ms for small jobs, growing with the world size so that all
 #: waiting ranks together make at most ~2,000 polls/s on a metadata server.
@@ -70,68 +69,107 @@ RANK0_POLL_SPEEDUP = 5.0
 #: Waiters outlast rank 0's timeout by this much so that they hear its verdict.
 WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
 CLEANUP_GRACE_AT_EXIT = 10.0
+#: The session waiters answer with their presence, before rank 0 has opened one.
+PRESENCE = "-"
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class _Arrival:
-    name: str
-    session: str
-    rank: int
-    world_size: int
-    nonce: str
+class Outcome:
+    """What rank 0 published when it finished: how its work ended, and its payload."""
+
+    ok: bool
+    error_type: str = ""
+    error: str = ""
+    payload: dict[str, Any] = field(default_factory=dict)
+    rank0: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, name: str) -> _Arrival | None:
-        parts = name.split(".")
-        if len(parts) != 5 or parts[0] + "." != ARRIVE_PREFIX:
-            return None
-        try:
-            return cls(name, parts[1], int(parts[2]), int(parts[3]), parts[4])
-        except ValueError:
-            return None
+    def from_state(cls, state: dict[str, Any]) -> Outcome:
+        payload = state.get("payload")
+        rank0 = state.get("rank0")
+        return cls(
+            bool(state.get("ok")),
+            str(state.get("error_type", "")),
+            str(state.get("error", "")),
+            payload if isinstance(payload, dict) else {},
+            rank0 if isinstance(rank0, dict) else {},
+        )
+
+    def raise_if_failed(self, where: str, rank: int) -> None:
+        if self.ok:
+            return
+        who = f"rank 0 (host {self.rank0.get('host')}, pid {self.rank0.get('pid')})"
+        if self.error_type == BarrierTimeout.__name__:
+            raise BarrierTimeout(f"{where}: {who} gave up: {self.error}")
+        raise RankZeroFailed(
+            f"{where}: {who} failed while this rank {rank} waited: {self.error_type}: {self.error}. "
+            "Fix the cause reported in rank 0's log and restart the job.",
+            self.error_type,
+            self.error,
+        )
+
+
+#: Wall-clock time this process first imported nemo_safe. Every process of an earlier attempt with
+#: the same key (a torchrun round) was dead before this one started, so an outcome published more
+#: than CLOCK_SKEW after it comes from this attempt, whatever the key says.
+STARTED_AT = time.time()
+CLOCK_SKEW = 5.0
+
+
+def _published_since_start(state: dict[str, Any]) -> bool:
+    published = state.get("time")
+    return isinstance(published, int | float) and published > STARTED_AT + CLOCK_SKEW
 
 
 def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
-# Per-process call counters, so that the n-th barrier of one name uses its own directory.
+# Per-process call counters, so that the n-th barrier of one name uses its own records.
 _sequence: dict[tuple[str, str, str], int] = {}
 _sequence_lock = threading.Lock()
-_cleanups: list[threading.Thread] = []
+#: Background threads of rank 0 (late acceptance, clean-up); stopped and joined at exit, so that
+#: none is still inside a store client while the interpreter shuts down.
+_threads: list[threading.Thread] = []
+_stopping = threading.Event()
 
 
-def _next_sequence(directory: str, name: str, key: str) -> int:
+def _next_sequence(where: str, name: str, key: str) -> int:
     with _sequence_lock:
-        n = _sequence.get((directory, name, key), 0)
-        _sequence[(directory, name, key)] = n + 1
+        n = _sequence.get((where, name, key), 0)
+        _sequence[(where, name, key)] = n + 1
         return n
 
 
 @atexit.register
-def _finish_cleanups() -> None:
+def _finish_threads() -> None:
+    """Late acceptance stops at once (publishing the outcome as final); clean-up gets a short grace."""
+    _stopping.set()
     deadline = time.monotonic() + CLEANUP_GRACE_AT_EXIT
-    for thread in list(_cleanups):
+    for thread in list(_threads):
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class Barrier:
-    """One use of a filesystem barrier by one process.
+    """One use of a barrier by one process.
 
-    Rank 0 calls :meth:`gather` then :meth:`release`; every other rank calls
-    :meth:`wait`. :func:`rank_zero_first` wraps that into a context manager.
+    Rank 0 calls :meth:`gather` (or :meth:`open`) then :meth:`release`; every
+    other rank calls :meth:`wait`. :func:`rank_zero_first` wraps that into a
+    context manager. ``where`` is a directory, or a channel such as
+    :class:`~nemo_safe.barrier_channels.StoreChannel`.
     """
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        where: str | os.PathLike[str] | Channel,
         world_size: int,
         name: str,
         *,
         rank: int | None = None,
         attempt_key: str | None = None,
+        attempt_unique: bool = False,
         timeout: float | None = None,
         poll_max: float | None = None,
         keep_parent: bool = False,
@@ -152,6 +190,8 @@ class Barrier:
         self.name = cluster_identity.sanitize_component(name)
         key = identity.attempt_key if attempt_key is None else attempt_key
         self.attempt_key = cluster_identity.sanitize_component(key)
+        #: The key names this attempt only (SLURM, MPI): records carrying it are never an earlier attempt's.
+        self.attempt_unique = attempt_unique
         self.timeout = default_timeout() if timeout is None else float(timeout)
         if self.timeout <= 0:
             raise ConfigurationError(f"barrier {name!r}: timeout must be positive, got {timeout!r}")
@@ -159,96 +199,73 @@ class Barrier:
             scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, world_size / POLLS_PER_SECOND_BUDGET))
             poll_max = env_seconds(POLL_MAX_ENV, scaled)
         self.poll_max = poll_max
-        self.root = os.path.abspath(os.fspath(directory))
-        seq = _next_sequence(self.root, self.name, self.attempt_key)
-        self.parent = os.path.join(self.root, BARRIER_DIRNAME)
-        #: Leave the (empty) hidden parent after success. For directories other ranks keep
-        #: listing and stat-ing (NeMo's log_dir): removing it would be an entry vanishing
+        self.channel = where if isinstance(where, Channel) else FileChannel(where)
+        seq = _next_sequence(self.channel.identity, self.name, self.attempt_key)
+        self.channel.bind(f"{self.name}.{self.attempt_key}.{seq}")
+        #: Leave the (empty) hidden parent directory after success. For directories other ranks
+        #: keep listing and stat-ing (NeMo's log_dir): removing it would be an entry vanishing
         #: between their listdir and stat, the very race this barrier is there to remove.
         self.keep_parent = keep_parent
-        self.path = os.path.join(self.parent, f"{self.name}.{self.attempt_key}.{seq}")
         self.nonce = secrets.token_hex(8)
         self.host = socket.gethostname()
-        #: How many times wait() read the state file (benchmarks report load per poll).
+        #: How many times wait() read the state (benchmarks report load per poll).
         self.polls = 0
         self._session: str | None = None
-        self._accepted: dict[int, _Arrival] = {}
-
-    # -- shared helpers -------------------------------------------------------------
+        self._accepted: dict[int, Arrival] = {}
+        self._rejected: dict[str, str] = {}
+        self._open = False
 
     def _where(self) -> str:
-        return f"barrier {self.name!r} in {self.path}"
-
-    def _check_real_dir(self, path: str, missing_ok: bool = False) -> None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            if missing_ok:
-                return
-            raise
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-            raise UnsafeBarrierPath(
-                f"{path} is {kind}; nemo_safe refuses to use it as a barrier directory. "
-                "Remove it (someone or something planted it there) and restart the job."
-            )
-
-    def _read_state(self) -> dict[str, Any] | None:
-        """Re-open the directory (NFS revalidates its cached lookups), then read ``state``."""
-        try:
-            dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if os.path.islink(self.path):
-                self._check_real_dir(self.path)
-            raise NemoSafeError(f"{self._where()}: cannot open the directory: {exc}") from exc
-        try:
-            try:
-                fd = os.open(STATE_NAME, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
-            except FileNotFoundError:
-                return None
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read()
-        finally:
-            os.close(dir_fd)
-        try:
-            state = json.loads(raw)
-        except ValueError:
-            return None  # not ours (state is only ever replaced whole)
-        return state if isinstance(state, dict) else None
+        return f"barrier {self.name!r} in {self.channel.where()}"
 
     # -- waiter side ----------------------------------------------------------------
 
-    def wait(self) -> None:
-        """Non-zero ranks: block until rank 0 has finished its work; raise if it failed."""
+    def wait(self, grace: float | None = None) -> Outcome:
+        """Non-zero ranks: block until rank 0 has finished its work; raise if it failed.
+
+        With ``grace``: raise :class:`RankZeroAbsent` once ``grace`` seconds passed
+        without any sign of rank 0 unless every other rank is present here."""
         if self.rank == 0:
             raise ConfigurationError(f"{self._where()}: rank 0 must call gather()/release(), not wait()")
-        self._check_real_dir(self.parent, missing_ok=True)
+        self.channel.check_safe()
         progress = Progress()
         backoff = Backoff(self.poll_max)
         deadline = time.monotonic() + self.timeout
-        answered: dict[str, str] = {}  # session -> arrival file we wrote
+        answered: dict[str, Arrival] = {}
+        presence = None
+        if grace is not None:
+            self.channel.prepare()
+            presence = self._arrive(PRESENCE)
         last: dict[str, Any] | None = None
         try:
             while True:
                 self.polls += 1
-                state = self._read_state()
+                state = self.channel.read_state()
                 if state is not None:
                     last = state
+                    grace = None  # rank 0 showed up here: wait for it
                     session = str(state.get("session", ""))
-                    if state.get("phase") == "collect" and session not in answered:
+                    if session and session not in answered and self._answers(state):
                         self._withdraw(answered)
                         answered[session] = self._arrive(session)
                         backoff.reset()
                         # Outlast rank 0's own timeout (it started about now), so that its
                         # verdict naming the missing ranks reaches us before we give up.
                         deadline = max(deadline, time.monotonic() + self.timeout + self._grace())
-                    elif state.get("phase") == "done" and self._outcome_is_mine(state, answered):
-                        self._raise_if_failed(state)
-                        return
+                    if state.get("phase") == "done":
+                        outcome = self._outcome_for_me(state, answered)
+                        if outcome is not None:
+                            if outcome.ok and self.channel.needs_cleanup:
+                                self.channel.mark_taken(self.rank, self.nonce)
+                            outcome.raise_if_failed(self._where(), self.rank)
+                            return outcome
+                if grace is not None and progress.elapsed >= grace:
+                    present = {a.rank for a in self.channel.arrivals(PRESENCE)}
+                    if len(present) < self.world_size - 1:
+                        raise RankZeroAbsent(self._absent_message(progress.elapsed, present))
+                    grace = None  # every other rank is here: rank 0 is late, wait for it
                 if time.monotonic() >= deadline:
-                    self._check_real_dir(self.parent, missing_ok=True)
+                    self.channel.check_safe()
                     raise BarrierTimeout(self._waiter_timeout_message(last, progress.elapsed))
                 if progress.due():
                     log.info(
@@ -258,16 +275,22 @@ class Barrier:
                         progress.elapsed,
                         self.timeout,
                     )
-                backoff.sleep(deadline)
+                until = deadline if grace is None else min(deadline, progress.start + grace)
+                backoff.sleep(until)
         finally:
             self._withdraw(answered)
+            if presence is not None:
+                self.channel.withdraw(presence)
+
+    def _answers(self, state: dict[str, Any]) -> bool:
+        """Answer a session that is collecting, or done but still accepting late ranks."""
+        return state.get("phase") == "collect" or bool(state.get("accepting"))
 
     def _grace(self) -> float:
         return max(WAITER_GRACE_MIN, WAITER_GRACE_POLLS * self.poll_max)
 
-    def _arrive(self, session: str) -> str:
-        self._check_real_dir(self.parent)
-        name = f"{ARRIVE_PREFIX}{session}.{self.rank}.{self.world_size}.{self.nonce}"
+    def _arrive(self, session: str) -> Arrival:
+        arrival = Arrival(session, self.rank, self.world_size, self.nonce)
         body = {
             "rank": self.rank,
             "host": self.host,
@@ -277,49 +300,54 @@ class Barrier:
             "world_size": self.world_size,
             "time": time.time(),
         }
-        publish(self.path, name, json.dumps(body).encode())
-        return name
+        self.channel.arrive(arrival, body)
+        return arrival
 
-    def _withdraw(self, answered: dict[str, str]) -> None:
-        for name in answered.values():
-            unlink_if_exists(os.path.join(self.path, name))
+    def _withdraw(self, answered: dict[str, Arrival]) -> None:
+        for arrival in answered.values():
+            self.channel.withdraw(arrival)
         answered.clear()
 
-    def _outcome_is_mine(self, state: dict[str, Any], answered: dict[str, str]) -> bool:
+    def _outcome_for_me(self, state: dict[str, Any], answered: dict[str, Arrival]) -> Outcome | None:
         accepted = state.get("accepted") or {}
-        if accepted.get(str(self.rank)) == self.nonce:
-            return True
-        if str(state.get("session")) in answered:
-            # Rank 0 closed the session we answered without counting us.
-            if state.get("ok"):
-                raise NemoSafeError(
-                    f"{self._where()}: rank 0 accepted another process as rank {self.rank} "
-                    f"(nonce {accepted.get(str(self.rank))}, ours {self.nonce}); two processes "
-                    "claim the same rank. Check the launcher variables (SLURM_PROCID / RANK)."
-                )
-            return True
-        return False  # an outcome of another attempt: never releases us
+        mine = accepted.get(str(self.rank))
+        if mine == self.nonce:
+            return Outcome.from_state(state)
+        answered_it = str(state.get("session")) in answered
+        if answered_it and mine is not None:
+            raise NemoSafeError(
+                f"{self._where()}: rank 0 accepted another process as rank {self.rank} "
+                f"(nonce {mine}, ours {self.nonce}); two processes claim the same rank. "
+                "Check the launcher variables (SLURM_PROCID / RANK)."
+            )
+        reason = (state.get("rejected") or {}).get(self.nonce)
+        if reason:
+            raise ConfigurationError(f"{self._where()}: rank 0 rejected this rank {self.rank}: {reason}")
+        if self.attempt_unique and state.get("attempt_unique"):
+            return Outcome.from_state(state)  # the key names this attempt only: its outcome is ours
+        if _published_since_start(state):
+            return Outcome.from_state(state)  # no earlier attempt's process was alive to publish it
+        if state.get("accepting"):
+            return None  # rank 0 will accept us at its next look
+        if answered_it:
+            # Rank 0 closed the session we answered without counting us: its outcome is ours too
+            # (a failure it reached while we were missing, or a success we were late for).
+            return Outcome.from_state(state)
+        return None  # an outcome of another attempt: never releases us
 
-    def _raise_if_failed(self, state: dict[str, Any]) -> None:
-        if state.get("ok"):
-            return
-        rtype, rmsg = str(state.get("error_type", "")), str(state.get("error", ""))
-        r0 = state.get("rank0") or {}
-        where = f"rank 0 (host {r0.get('host')}, pid {r0.get('pid')})"
-        if rtype == BarrierTimeout.__name__:
-            raise BarrierTimeout(f"{self._where()}: {where} gave up: {rmsg}")
-        raise RankZeroFailed(
-            f"{self._where()}: {where} failed while this rank {self.rank} waited: "
-            f"{rtype}: {rmsg}. Fix the cause reported in rank 0's log and restart the job.",
-            rtype,
-            rmsg,
+    def _absent_message(self, elapsed: float, present: set[int]) -> str:
+        missing = [r for r in range(1, self.world_size) if r not in present]
+        return (
+            f"{self._where()}: rank {self.rank} waited {elapsed:.1f} s and rank 0 never showed up, "
+            f"while ranks {_ranges(missing)} of 1-{self.world_size - 1} are not here either: this "
+            "directory is probably not shared with them (node-local disk, another working directory)."
         )
 
     def _waiter_timeout_message(self, last: dict[str, Any] | None, elapsed: float) -> str:
         head = f"{self._where()}: rank {self.rank} of {self.world_size} waited {elapsed:.0f} s"
         if last is None:
             return (
-                f"{head} and rank 0 never started the barrier (no state file appeared). "
+                f"{head} and rank 0 never started the barrier (no state appeared). "
                 "Rank 0 may have crashed or be stuck before this point, or it uses another "
                 "directory or attempt key; check rank 0's log."
             )
@@ -328,7 +356,7 @@ class Barrier:
             return (
                 f"{head}; rank 0 (host {r0.get('host')}, pid {r0.get('pid')}) opened session "
                 f"{last.get('session')} but never finished: it died or hangs in its work. "
-                f"If that process is not part of this job, {self.path} is left over from an "
+                f"If that process is not part of this job, {self.channel.where()} is left over from an "
                 "earlier attempt with the same key: delete it and restart."
             )
         return (
@@ -339,28 +367,6 @@ class Barrier:
 
     # -- rank 0 side ----------------------------------------------------------------
 
-    def _make_dirs(self) -> None:
-        for _ in range(100):
-            try:
-                for path in (self.parent, self.path):
-                    try:
-                        os.mkdir(path, 0o755)
-                    except FileExistsError:
-                        self._check_real_dir(path)
-                return
-            except FileNotFoundError:
-                # Another barrier's rank 0 removed the empty parent just now: retry.
-                if not os.path.isdir(self.root):
-                    raise NemoSafeError(
-                        f"{self._where()}: the directory {self.root} does not exist; create it before the barrier"
-                    ) from None
-            except OSError as exc:  # read-only, permission denied, disk full, quota
-                raise NemoSafeError(
-                    f"{self._where()}: rank 0 cannot create the barrier directory ({exc}); make {self.root} "
-                    "writable for this job. The other ranks will time out saying rank 0 never started."
-                ) from exc
-        raise NemoSafeError(f"{self._where()}: could not create the barrier directory")
-
     def _publish_state(self, phase: str, **extra: Any) -> None:
         body = {
             "v": 1,
@@ -368,56 +374,70 @@ class Barrier:
             "session": self._session,
             "name": self.name,
             "world_size": self.world_size,
-            "rank0": {"host": self.host, "pid": os.getpid()},
+            "attempt_unique": self.attempt_unique,
+            "rank0": {"host": self.host, "pid": os.getpid(), "nonce": self.nonce},
             "time": time.time(),
             **extra,
         }
-        publish(self.path, STATE_NAME, json.dumps(body).encode())
+        self.channel.publish_state(body)
 
-    def _scan(self) -> dict[int, _Arrival]:
-        """Rank 0 only: the arrivals answering this session, by rank."""
-        found: dict[int, _Arrival] = {}
-        with os.scandir(self.path) as entries:
-            for entry in entries:
-                arrival = _Arrival.parse(entry.name)
-                if arrival is None or arrival.session != self._session:
-                    continue
-                if arrival.world_size != self.world_size:
-                    raise ConfigurationError(
-                        f"{self._where()}: rank {arrival.rank} ({self._host_of(arrival)}) uses "
-                        f"world size {arrival.world_size} but rank 0 uses {self.world_size}; "
-                        "every rank must agree (check devices x num_nodes against the launcher)"
-                    )
-                if not 0 < arrival.rank < self.world_size:
-                    raise ConfigurationError(
-                        f"{self._where()}: a process on {self._host_of(arrival)} claims rank "
-                        f"{arrival.rank}, outside world size {self.world_size}"
-                    )
+    def _start(self) -> None:
+        if self.rank != 0:
+            raise ConfigurationError(f"{self._where()}: only rank 0 gathers; rank {self.rank} must wait()")
+        self.channel.prepare()
+        if self.attempt_unique:
+            other = self.channel.claim_leader({"host": self.host, "pid": os.getpid(), "nonce": self.nonce})
+            if other is not None:
+                raise ConfigurationError(
+                    f"{self._where()}: two processes claim rank 0 of this attempt: this one (host {self.host}, "
+                    f"pid {os.getpid()}) and host {other.get('host')} pid {other.get('pid')}, which got there "
+                    "first. Only one may move files; check the launcher variables (SLURM_PROCID / RANK)."
+                )
+        self._session = secrets.token_hex(8)
+        self._publish_state("collect")
+
+    def _scan(self) -> dict[int, Arrival]:
+        """Rank 0 only: the arrivals answering this session, by rank (first answer of a rank wins)."""
+        found: dict[int, Arrival] = dict(self._accepted)
+        for arrival in sorted(self.channel.arrivals(self._session or ""), key=lambda a: a.nonce):
+            if arrival.rank in found or arrival.nonce in self._rejected:
                 other = found.get(arrival.rank)
-                if other is not None and other.nonce != arrival.nonce:
+                if other is not None and other.nonce != arrival.nonce and not self._open:
                     raise ConfigurationError(
                         f"{self._where()}: two processes claim rank {arrival.rank} "
-                        f"({self._host_of(other)} and {self._host_of(arrival)}); check the "
+                        f"({self.channel.describe(other)} and {self.channel.describe(arrival)}); check the "
                         "launcher variables (SLURM_PROCID / RANK) of this job"
                     )
-                found[arrival.rank] = arrival
+                continue
+            problem = None
+            if arrival.world_size != self.world_size:
+                problem = (
+                    f"rank {arrival.rank} ({self.channel.describe(arrival)}) uses world size "
+                    f"{arrival.world_size} but rank 0 uses {self.world_size}; every rank must agree "
+                    "(check devices x num_nodes against the launcher)"
+                )
+            elif not 0 < arrival.rank < self.world_size:
+                problem = (
+                    f"a process on {self.channel.describe(arrival)} claims rank {arrival.rank}, "
+                    f"outside world size {self.world_size}"
+                )
+            if problem and not self._open:
+                raise ConfigurationError(f"{self._where()}: {problem}")
+            if problem:
+                self._rejected[arrival.nonce] = problem
+                continue
+            found[arrival.rank] = arrival
         return found
 
-    def _host_of(self, arrival: _Arrival) -> str:
-        raw = read_if_exists(os.path.join(self.path, arrival.name))
-        try:
-            body = json.loads(raw) if raw else {}
-            return f"host {body.get('host')} pid {body.get('pid')}"
-        except ValueError:
-            return "host unknown"
+    def open(self) -> None:
+        """Rank 0: open a session without waiting for anyone; :meth:`release` publishes the
+        outcome and keeps accepting ranks that answer later, in a background thread."""
+        self._start()
+        self._open = True
 
     def gather(self) -> None:
         """Rank 0: open a session and wait until every other rank has answered it."""
-        if self.rank != 0:
-            raise ConfigurationError(f"{self._where()}: only rank 0 gathers; rank {self.rank} must wait()")
-        self._make_dirs()
-        self._session = secrets.token_hex(8)
-        self._publish_state("collect")
+        self._start()
         progress = Progress()
         # Rank 0 is the only lister, so it can afford to poll faster than the waiters.
         backoff = Backoff(max(POLL_MIN, self.poll_max / RANK0_POLL_SPEEDUP))
@@ -433,7 +453,7 @@ class Barrier:
                 return
             missing = [r for r in range(1, self.world_size) if r not in arrived]
             if time.monotonic() >= deadline:
-                hosts = sorted({self._host_of(a).split(" pid")[0] for a in arrived.values()})
+                hosts = sorted({self.channel.describe(a).split(" pid")[0] for a in arrived.values()})
                 self._accepted = arrived
                 error = BarrierTimeout(
                     f"{self._where()}: rank 0 waited {self.timeout:.0f} s but ranks "
@@ -456,50 +476,80 @@ class Barrier:
                 )
             backoff.sleep(deadline)
 
-    def release(self, error: BaseException | None = None) -> None:
-        """Rank 0: publish the outcome to every accepted rank, then clean up in the background."""
+    def release(self, error: BaseException | None = None, payload: dict[str, Any] | None = None) -> None:
+        """Rank 0: publish the outcome to every accepted rank, then (in the background)
+        accept late ranks after :meth:`open` and clean up."""
         if self._session is None:
             raise ConfigurationError(f"{self._where()}: release() before gather()")
-        outcome: dict[str, Any] = {
-            "ok": error is None,
-            "accepted": {str(r): a.nonce for r, a in self._accepted.items()},
-        }
+        outcome: dict[str, Any] = {"ok": error is None, "payload": payload or {}}
         if error is not None:
             outcome["error_type"], outcome["error"] = _describe(error)
-        self._publish_state("done", **outcome)
-        if error is not None:
+        if self._open:
+            self._accepted = self._scan()
+        accepting = self._open and len(self._accepted) < self.world_size - 1
+        self._publish_outcome(outcome, accepting)
+        if error is not None and not accepting:
             # Keep the failure visible so that ranks arriving late stop with rank 0's
             # reason instead of timing out; the next attempt replaces it.
             return
-        names = {a.name for a in self._accepted.values()}
         thread = threading.Thread(
-            target=self._cleanup, args=(names,), daemon=True, name=f"nemo_safe-cleanup-{self.name}"
+            target=self._finish, args=(outcome, accepting), daemon=True, name=f"nemo_safe-barrier-{self.name}"
         )
-        _cleanups.append(thread)
+        _threads.append(thread)
         thread.start()
 
-    def _cleanup(self, names: set[str]) -> None:
-        """Wait until every accepted rank has removed its arrival (it saw the outcome),
-        then remove what rank 0 created: ``state`` and the directories if empty."""
-        backoff = Backoff(self.poll_max)
+    def _publish_outcome(self, outcome: dict[str, Any], accepting: bool) -> None:
+        self._publish_state(
+            "done",
+            accepted={str(r): a.nonce for r, a in self._accepted.items()},
+            rejected=dict(self._rejected),
+            accepting=accepting,
+            **outcome,
+        )
+
+    def _finish(self, outcome: dict[str, Any], accepting: bool) -> None:
+        """Accept ranks that answer late (after :meth:`open`), then wait until every accepted
+        rank has withdrawn its arrival (it saw the outcome) and remove what rank 0 created."""
+        backoff = Backoff(max(self.poll_max, 0.25))
         deadline = time.monotonic() + self.timeout
         try:
-            while names and time.monotonic() < deadline:
-                names &= set(os.listdir(self.path))
-                if names:
-                    backoff.sleep(deadline)
-            if names:
-                log.warning("%s: ranks did not collect the outcome; leaving %s", self._where(), self.path)
+            while accepting and time.monotonic() < deadline:
+                stopping = _stopping.wait(backoff.delay(deadline))  # at exit: one last look, then final
+                before = len(self._accepted)
+                self._accepted = self._scan()
+                accounted = set(self._accepted) | self.channel.taken_ranks()  # took it unlisted (unique key)
+                accepting = len(accounted) < self.world_size - 1
+                if stopping or not accepting or len(self._accepted) != before:
+                    self._publish_outcome(outcome, accepting and not stopping)
+                if stopping:
+                    return  # this process exits: the outcome stands as published
+            if accepting:
+                missing = [r for r in range(1, self.world_size) if r not in self._accepted]
+                log.warning(
+                    "%s: ranks %s never answered within %.0f s; later arrivals get rank 0's outcome as it is",
+                    self._where(),
+                    _ranges(missing),
+                    self.timeout,
+                )
+                self._publish_outcome(outcome, accepting=False)
                 return
-            unlink_if_exists(os.path.join(self.path, STATE_NAME))
-            os.rmdir(self.path)
-            if not self.keep_parent:
-                os.rmdir(self.parent)
-        except OSError:
-            pass  # not empty (another barrier, or leftovers of an earlier attempt): not ours
+            if not outcome["ok"]:
+                return
+            if not self.channel.needs_cleanup:
+                return
+            # Files only (no store client here), so at exit this goes on for the short join grace.
+            everyone = set(range(1, self.world_size))
+            while not everyone <= self.channel.taken_ranks():
+                if time.monotonic() >= deadline:
+                    log.debug("%s: not every rank took the outcome; leaving the records", self._where())
+                    return
+                backoff.sleep(deadline)
+            self.channel.remove(self.keep_parent)
+        except (OSError, NemoSafeError) as exc:
+            log.debug("%s: background cleanup stopped: %s", self._where(), exc)
         finally:
             try:
-                _cleanups.remove(threading.current_thread())
+                _threads.remove(threading.current_thread())
             except ValueError:
                 pass
 

@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nemo_safe.errors import ConfigurationError
 
@@ -34,6 +34,9 @@ class ClusterIdentity:
     world_size: int
     attempt_key: str
     warnings: tuple[str, ...] = field(default=())
+    #: The key names this attempt only. False under torchrun: its restarts keep the run id and
+    #: the agent's store address, and nothing else every worker sees tells the rounds apart.
+    attempt_unique: bool = True
 
     @property
     def is_multi_process(self) -> bool:
@@ -103,7 +106,11 @@ class Launcher:
 
 class TorchElastic(Launcher):
     """torchrun / torch.distributed.elastic. Wins over SLURM: under srun+torchrun,
-    SLURM_PROCID is the node index, not the rank."""
+    SLURM_PROCID is the node index, not the rank.
+
+    The key leaves out ``TORCHELASTIC_RESTART_COUNT``: each agent counts only its own
+    workers' failures, so after one failure the nodes of one round disagree on it.
+    """
 
     name = "torchrun"
 
@@ -118,17 +125,11 @@ class TorchElastic(Launcher):
             env.get("SLURM_CLUSTER_NAME"),
             env.get("SLURM_JOB_ID"),
             env.get("TORCHELASTIC_RUN_ID", "none"),
-            "r" + env.get("TORCHELASTIC_RESTART_COUNT", "0"),
             f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}",
         )
         node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
-        return cls._make(
-            _int(env, "RANK"),
-            _int(env, "LOCAL_RANK"),
-            node_rank,
-            _int(env, "WORLD_SIZE"),
-            key,
-        )
+        ident = cls._make(_int(env, "RANK"), _int(env, "LOCAL_RANK"), node_rank, _int(env, "WORLD_SIZE"), key)
+        return replace(ident, attempt_unique=False)
 
 
 class Slurm(Launcher):

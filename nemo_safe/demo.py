@@ -50,7 +50,7 @@ def start_gate(side: Path, rank: int, world: int, name: str, timeout: float = 90
         time.sleep(0.05)
 
 
-def _watch(log_dir: Path, done: Path) -> tuple[int, int]:
+def watch_log_dir(log_dir: Path, done: Path) -> tuple[int, int]:
     """List and stat log_dir until rank 0 is done: (most old files seen at once, entries that vanished)."""
     old_seen = vanished = 0
     final = False
@@ -117,7 +117,7 @@ def run_member(log_dir: Path, side: Path, devices: int, nodes: int, rank0_delay:
     if ident.rank == 0:
         (side / "rank0_done").write_text("x")
     else:
-        result["old_seen"], result["vanished"] = _watch(log_dir, side / "rank0_done")
+        result["old_seen"], result["vanished"] = watch_log_dir(log_dir, side / "rank0_done")
     return result
 
 

@@ -23,6 +23,12 @@ class BarrierTimeout(NemoSafeError, TimeoutError):
     """A barrier did not complete within its timeout (missing ranks, or rank 0 never finished)."""
 
 
+class RankZeroAbsent(NemoSafeError):
+    """Rank 0 never showed up within the grace and not every other rank is present either:
+    the ranks probably do not share the barrier's directory. Callers that can do without
+    the barrier (NeMo's exp_manager) carry on as upstream does."""
+
+
 class RankZeroFailed(NemoSafeError):
     """Rank 0's work inside a barrier raised; re-raised on every other rank.
 

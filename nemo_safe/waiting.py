@@ -48,12 +48,16 @@ class Backoff:
     def reset(self) -> None:
         self._next = self.start
 
-    def sleep(self, deadline: float) -> None:
+    def delay(self, deadline: float) -> float:
+        """The next pause, never past ``deadline`` (a ``time.monotonic()`` value)."""
         delay = self._next * random.uniform(0.75, 1.0)
         self._next = min(self.cap, self._next * self.factor)
+        return max(0.0, min(delay, deadline - time.monotonic()))
+
+    def sleep(self, deadline: float) -> None:
         # time.sleep is restarted after signal handlers (PEP 475), so SIGUSR1
         # handlers run and SIGTERM still ends the process.
-        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        time.sleep(self.delay(deadline))
 
 
 class Progress:

@@ -15,8 +15,9 @@ import os
 import sys
 import time
 
-from nemo_safe import NemoSafeError, detect_identity, rank_zero_first
+from nemo_safe import Barrier, NemoSafeError, RankZeroAbsent, detect_identity, rank_zero_first
 from nemo_safe.atomic_files import publish, read_if_exists
+from nemo_safe.barrier_channels import StoreChannel
 
 MARKER_TEXT = b"rank 0 finished its work\n"
 
@@ -37,6 +38,9 @@ def main() -> int:
     p.add_argument("--ready-dir", help="each rank touches ready.<rank> here before entering")
     p.add_argument("--hold-rank", type=int, help="this rank sleeps forever before entering")
     p.add_argument("--no-barrier", action="store_true")
+    p.add_argument("--open", action="store_true", help="rank 0 opens the barrier without waiting for anyone")
+    p.add_argument("--grace", type=float, help="waiters give up on an absent rank 0 after this (RankZeroAbsent)")
+    p.add_argument("--store", help="HOST:PORT of a TCPStore to meet in instead of --dir")
     p.add_argument("--sigusr1-handler", action="store_true", help="install a handler like Lightning's requeue one")
     args = p.parse_args()
 
@@ -72,6 +76,8 @@ def main() -> int:
     code = 0
     started = time.monotonic()
     try:
+        if args.open or args.grace is not None or args.store:
+            return _open_barrier(args, ident, directory, world, marker, result, started)
         ctx = rank_zero_first(directory, world, args.name, timeout=args.timeout)
         if args.no_barrier:
             from contextlib import nullcontext
@@ -93,6 +99,33 @@ def main() -> int:
     except Exception as exc:  # rank 0's own exception
         result.update(status="error", error_type=type(exc).__name__, error=str(exc))
         code = 4
+    result["seconds"] = time.monotonic() - started
+    print(json.dumps(result), flush=True)
+    return code
+
+
+def _open_barrier(args, ident, directory: str, world: int, marker: str, result: dict, started: float) -> int:
+    """Rank 0 opens the barrier (no waiting), works, releases; the others wait with an optional grace."""
+    where = directory
+    if args.store:
+        host, port = args.store.rsplit(":", 1)
+        where = StoreChannel(host, int(port))
+    barrier = Barrier(where, world, args.name, timeout=args.timeout, attempt_unique=ident.attempt_unique)
+    code = 0
+    try:
+        if ident.rank == 0:
+            barrier.open()
+            time.sleep(args.work_seconds)
+            publish(directory, "marker", MARKER_TEXT)
+            barrier.release()
+        else:
+            barrier.wait(grace=args.grace)
+            result["saw_marker"] = read_if_exists(marker) == MARKER_TEXT
+    except RankZeroAbsent as exc:
+        result.update(status="absent", error_type=type(exc).__name__, error=str(exc))
+    except NemoSafeError as exc:
+        result.update(status="error", error_type=type(exc).__name__, error=str(exc))
+        code = 3
     result["seconds"] = time.monotonic() - started
     print(json.dumps(result), flush=True)
     return code

@@ -197,3 +197,66 @@ def test_waiting_ranks_stay_interruptible_by_signals(tmp_path: Path) -> None:
     assert ranks.results[1]["sigusr1"] == 1, ranks.results[1]
     assert "ranks 2 never arrived" in ranks.results[0]["error"], ranks.results[0]
     assert "ranks 2 never arrived" in ranks.results[1]["error"], ranks.results[1]
+
+
+def test_open_barrier_rank0_never_waits_for_a_missing_rank(tmp_path: Path) -> None:
+    """Barrier.open(): rank 0 works at once although rank 3 never arrives; the others get its outcome.
+    (The twin, gather(), makes rank 0 time out on the missing rank: test_waiter_killed_before_arriving.)"""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["--dir", str(work), "--open", "--timeout", "60", "--hold-rank", "3", "--ready-dir", str(ready)]
+    ranks = start_ranks(5, _torchrun(5), args)
+    for r in (0, 1, 2, 4):
+        ranks.procs[r].wait(timeout=HANG_GUARD)
+    ranks.kill(3)
+    ranks.finish(HANG_GUARD)
+    assert ranks.results[0]["status"] == "ok" and ranks.results[0]["seconds"] < 20, ranks.results[0]
+    assert all(ranks.results[r]["saw_marker"] for r in (1, 2, 4)), ranks.results
+
+
+def test_grace_gives_up_on_a_directory_rank0_does_not_share(tmp_path: Path) -> None:
+    """Odd ranks look in another directory (a node-local disk): with a grace they stop waiting after it
+    (RankZeroAbsent) instead of at the timeout, while the even ranks are ordered; without a grace (the
+    twin) they wait until the timeout."""
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    shared.mkdir()
+    elsewhere.mkdir()
+    common = ["--dir", str(shared), "--dir-for-odd-ranks", str(elsewhere), "--open", "--timeout", "8"]
+    with_grace = start_ranks(4, _torchrun(4), [*common, "--grace", "1.5"]).finish(HANG_GUARD)
+    for r in (1, 3):
+        res = with_grace.results[r]
+        assert res["status"] == "absent" and "not shared" in res["error"], res
+        assert res["seconds"] < 6, "must give up after the grace, not at the 8 s timeout"
+    assert with_grace.results[2]["saw_marker"], with_grace.results[2]
+    twin = start_ranks(4, _torchrun(4), common).finish(HANG_GUARD)
+    for r in (1, 3):
+        assert twin.results[r]["error_type"] == "BarrierTimeout", twin.results[r]
+
+
+def test_grace_keeps_waiting_for_a_late_rank0_when_every_other_rank_is_here(tmp_path: Path) -> None:
+    """Rank 0 enters 4 s late, the grace is 1 s: every other rank is present, so rank 0 is only late."""
+    args = ["--dir", str(tmp_path), "--open", "--grace", "1", "--rank0-delay", "4", "--work-seconds", "0.5"]
+    ranks = start_ranks(6, _torchrun(6), args).finish(HANG_GUARD)
+    assert set(ranks.codes.values()) == {0}, ranks.results
+    assert all(ranks.results[r]["saw_marker"] for r in range(1, 6)), ranks.results
+
+
+def test_store_channel_orders_ranks_and_ignores_an_earlier_attempt(tmp_path: Path) -> None:
+    """Over a real TCPStore (as torchrun's agent serves it), with the same key twice: the second
+    attempt's ranks are not released by the first attempt's outcome while rank 0 is 4 s late."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store = f"127.0.0.1:{server.port}"
+    first = start_ranks(4, _torchrun(4, "same"), ["--dir", str(tmp_path), "--store", store]).finish(HANG_GUARD)
+    assert all(first.results[r]["saw_marker"] for r in range(1, 4)), first.results
+    (tmp_path / "marker").unlink()
+    args = ["--dir", str(tmp_path), "--store", store, "--rank0-delay", "4", "--work-seconds", "0.5"]
+    second = start_ranks(4, _torchrun(4, "same"), args).finish(HANG_GUARD)
+    assert set(second.codes.values()) == {0}, second.results
+    assert all(second.results[r]["saw_marker"] for r in range(1, 4)), second.results
+    assert not (tmp_path / ".nemo_safe").exists(), "over a store nothing is written to the directory"

@@ -114,13 +114,21 @@ def test_array_tasks_differ() -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        {"TORCHELASTIC_RESTART_COUNT": "1"},
         {"TORCHELASTIC_RUN_ID": "other"},
         {"MASTER_PORT": "29501"},
     ],
 )
-def test_torchrun_key_differs_between_attempts(change: dict[str, str]) -> None:
+def test_torchrun_key_differs_between_jobs(change: dict[str, str]) -> None:
     assert _key({**TORCHRUN, **change}) != _key(TORCHRUN)
+
+
+def test_torchrun_key_ignores_restart_counts() -> None:
+    """Each elastic agent counts only its own workers' failures: after one failure the nodes of
+    one round disagree on TORCHELASTIC_RESTART_COUNT, so it must not decide where ranks meet.
+    Rounds share the key; the barrier's sessions and nonces keep them apart."""
+    counts = {_key({**TORCHRUN, "RANK": str(r), "TORCHELASTIC_RESTART_COUNT": str(r % 2)}) for r in range(4)}
+    assert len(counts) == 1
+    assert not detect(TORCHRUN).attempt_unique and detect(SLURM).attempt_unique
 
 
 @pytest.mark.parametrize("hostile", ["../../x", "/etc/passwd", "..", ".hidden", "a/b\x00c", "x" * 500, "ä b"])

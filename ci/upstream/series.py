@@ -119,7 +119,14 @@ NEMO_RENAMES = {
     "given to nemo_safe": "given to the barrier",
     "nemo_safe refuses": "NeMo refuses",
 }
-NEMO_ERRORS = ("NemoSafeError", "ConfigurationError", "UnsafeBarrierPath", "BarrierTimeout", "RankZeroFailed")
+NEMO_ERRORS = (
+    "NemoSafeError",
+    "ConfigurationError",
+    "UnsafeBarrierPath",
+    "BarrierTimeout",
+    "RankZeroAbsent",
+    "RankZeroFailed",
+)
 NEMO_INIT = '''"""A barrier over a shared directory that works before ``torch.distributed`` is initialized.
 
 ``rank_zero_first(directory, world_size)`` runs its body on global rank 0 first and on
@@ -127,12 +134,14 @@ every other rank after rank 0's body returned; ranks come from the launcher's
 environment (torchrun, SLURM, Open MPI, PMIx). See ``barrier.py`` for the protocol.
 """
 
-from nemo.utils.fs_barrier.barrier import Barrier, rank_zero_first
+from nemo.utils.fs_barrier.barrier import Barrier, Outcome, rank_zero_first
+from nemo.utils.fs_barrier.barrier_channels import FileChannel, StoreChannel
 from nemo.utils.fs_barrier.cluster_identity import ClusterIdentity, detect
 from nemo.utils.fs_barrier.errors import (
     BarrierTimeout,
     ConfigurationError,
     FilesystemBarrierError,
+    RankZeroAbsent,
     RankZeroFailed,
     UnsafeBarrierPath,
 )
@@ -142,8 +151,12 @@ __all__ = [
     "BarrierTimeout",
     "ClusterIdentity",
     "ConfigurationError",
+    "FileChannel",
     "FilesystemBarrierError",
+    "Outcome",
+    "RankZeroAbsent",
     "RankZeroFailed",
+    "StoreChannel",
     "UnsafeBarrierPath",
     "detect",
     "rank_zero_first",
@@ -168,6 +181,7 @@ def _nemo_barrier(tree: Path) -> None:
         ),
         "waiting": module_source("waiting"),
         "cluster_identity": module_source("cluster_identity"),
+        "barrier_channels": module_source("barrier_channels"),
         "barrier": module_source("barrier"),
     }
     # NeMo imports absolutely.
@@ -185,20 +199,33 @@ def _absolute_nemo(match: re.Match[str]) -> str:
     return f"from nemo.utils.fs_barrier{'.' + module if module else ''} import"
 
 
-EXP_MANAGER_FUNCTIONS = ("BARRIER_NAME", "_trainer_world_size", "_launcher_count_hint", "ordered_identity")
+EXP_MANAGER_DEFINITIONS = (
+    "BARRIER_NAME",
+    "_warned",
+    "_warned_lock",
+    "warn_once",
+    "_trainer_world_size",
+    "_launcher_count_hint",
+    "meeting_dir",
+    "ResumeOrder",
+    "resume_order_for",
+)
+#: NeMo logs through its own ``nemo.utils.logging``, which exp_manager.py imports as ``logging``.
+NEMO_LOGGING = {"log.warning(": "logging.warning("}
 
 
 def _nemo_exp_manager(tree: Path) -> None:
     path = tree / "nemo/utils/exp_manager.py"
-    module = "patches.nemo_exp_manager"
-    code = definitions(module, (*EXP_MANAGER_FUNCTIONS, "check_resume_in_order"))
-    insert_before_def(path, "check_resume", rename(code, NEMO_RENAMES))
-    imports = _overlay_imports(module, code, "nemo.utils.fs_barrier", NEMO_WIDTH)
+    module = "patches.nemo_resume_order"
+    raw = definitions(module, EXP_MANAGER_DEFINITIONS)
+    insert_before_def(path, "check_resume", rename(raw, {**NEMO_RENAMES, **NEMO_LOGGING}))
+    imports = rename(_overlay_imports(module, raw, "nemo.utils.fs_barrier", NEMO_WIDTH), NEMO_RENAMES)
     replace_once(
         path,
         "from nemo.utils.exceptions import NeMoBaseException\n",
         "from nemo.utils.exceptions import NeMoBaseException\n" + imports,
     )
+    replace_once(path, "import sys\nimport time\n", "import sys\nimport threading\nimport time\n")
     replace_once(
         path,
         "from collections import defaultdict\n",
@@ -206,18 +233,32 @@ def _nemo_exp_manager(tree: Path) -> None:
     )
     replace_once(
         path,
-        "    check_resume(\n        trainer,\n        log_dir,\n",
-        "    # Rank 0 moves old files out of log_dir before any other rank reads it (#7460, #9952).\n"
-        "    resume_order = check_resume_in_order(\n        check_resume,\n        trainer,\n        log_dir,\n",
+        "    log_dir, exp_dir, name, version = get_log_dir(\n",
+        "    # Global rank 0 first, everyone after it, every rank with rank 0's log_dir (#7460, #9952, PR #8604).\n"
+        "    resume_order = resume_order_for(trainer, is_global_rank_zero, cfg.seconds_to_sleep)\n"
+        "    log_dir, exp_dir, name, version = get_log_dir(\n",
     )
     replace_once(
         path,
-        "    elif trainer.num_nodes * trainer.num_devices > 1:\n"
+        "    check_resume(\n        trainer,\n        log_dir,\n",
+        "    if resume_order is not None:\n"
+        "        parts = resume_order.agree_log_dir((log_dir, exp_dir, name, version), cfg.explicit_log_dir)\n"
+        "        log_dir, exp_dir, name, version = parts\n"
+        "        run_check_resume = functools.partial(resume_order.check_resume, check_resume)\n"
+        "    else:\n"
+        "        run_check_resume = check_resume\n"
+        "    run_check_resume(\n        trainer,\n        log_dir,\n",
+    )
+    replace_once(path, "import glob\n", "import functools\nimport glob\n")
+    replace_once(
+        path,
         "        # sleep other ranks so rank 0 can finish\n"
-        "        # doing the initialization such as moving files\n",
-        "    elif trainer.num_nodes * trainer.num_devices > 1 and resume_order is None:\n"
-        "        # Without a launcher to order check_resume by, sleep other ranks so rank 0 can finish\n"
-        "        # doing the initialization such as moving files\n",
+        "        # doing the initialization such as moving files\n"
+        "        time.sleep(cfg.seconds_to_sleep)\n",
+        "        # sleep other ranks so rank 0 can finish doing the initialization such as moving files,\n"
+        "        # unless they waited for it already\n"
+        "        seconds = cfg.seconds_to_sleep\n"
+        "        time.sleep(seconds if resume_order is None else resume_order.sleep_left(seconds))\n",
     )
     _copy_tests("nemo", tree, "tests/core/test_exp_manager_resume_race.py")
 
@@ -253,14 +294,21 @@ Add nemo.utils.fs_barrier: rank_zero_first(directory, world_size) runs its
 body on global rank 0 first and on every other rank after rank 0's body
 returned, using only atomic create/rename in a hidden subdirectory of a
 shared directory (no flock: it is node-local or a no-op on many NFS, Lustre
-and GPFS mounts). Ranks and an attempt key come from the launcher's
-environment (torchrun, SLURM, Open MPI, PMIx; one class per launcher, as
-Lightning's cluster environments). A missing rank makes rank 0 time out
-naming the missing ranks, an exception on rank 0 reaches every rank as
-RankZeroFailed, files of an earlier (requeued) attempt can never release a
-rank, and a successful barrier leaves no files. Waiters poll with a jittered
-backoff whose cap grows with the world size, and log a progress line at
-most every 5 s. NEMO_BARRIER_TIMEOUT (default 1800 s) bounds the wait.
+and GPFS mounts). The same protocol also runs over torchrun's agent store
+(StoreChannel: every worker reaches it before init_process_group, whatever
+filesystem its node logs to). Ranks and an attempt key come from the
+launcher's environment (torchrun, SLURM, Open MPI, PMIx; one class per
+launcher, as Lightning's cluster environments); torchrun's key leaves out
+TORCHELASTIC_RESTART_COUNT, which each agent counts for its own workers only.
+A missing rank makes rank 0 time out naming the missing ranks, an exception
+on rank 0 reaches every rank as RankZeroFailed, records of an earlier
+attempt can never release a rank (sessions and nonces), and a successful
+barrier leaves no files. Barrier.open() lets rank 0 go on without waiting and
+accepts later ranks in the background; Barrier.wait(grace=...) raises
+RankZeroAbsent when rank 0 shows no sign within the grace and not every other
+rank is present (the ranks do not share the directory). Waiters poll with a
+jittered backoff whose cap grows with the world size, and log a progress
+line at most every 5 s. NEMO_BARRIER_TIMEOUT (default 1800 s) bounds the wait.
 
 Tested: tests/core/test_fs_barrier.py starts 4 processes with torchrun;
 rank 0 enters late and writes a file inside the barrier, every other rank
@@ -282,16 +330,23 @@ reaches exp_manager() later than the others (a slower node, a slow import),
 the other ranks return before the move: files vanish under them (#7460) and
 files of the current run are archived into run_0 (#9952).
 
-Run check_resume() through check_resume_in_order(): every rank arrives at a
-nemo.utils.fs_barrier barrier in log_dir/.nemo_barrier/ before rank 0 lists
-log_dir, rank 0 runs check_resume() (checkpoint lookup and the move), then
-the other ranks run it (lookup only). An exception on rank 0 reaches every
-rank. The barrier is sized by trainer.num_nodes * trainer.num_devices and
-cross-checked with the launcher's world size; a mismatch is a clear error
-instead of a hang. Ranks ordered this way skip the fixed sleep; without a
-multi-process launcher (one process, Lightning's own local launcher before
-fit()) nothing changes. The empty .nemo_barrier/ directory stays in log_dir:
-removing it would make an entry vanish under the ranks listing log_dir.
+Order exp_manager's start-up: global rank 0 first, every other rank after
+it, and every rank with rank 0's log_dir. Ranks meet where every rank of the
+attempt is guaranteed to agree: under torchrun in the elastic agent's store,
+elsewhere (srun, mpirun) in the hidden .nemo_barrier/ of exp_dir/name (or
+explicit_log_dir), the part of log_dir that does not depend on the version
+rank 0 picked (PR #8604: the other ranks get no version at all today). Rank 0
+never waits: it runs check_resume() (lookup and move) and publishes how it
+ended together with its log_dir. The other ranks wait for rank 0 only, take
+its log_dir and run the lookup; if rank 0 failed they run it too, so that
+they raise NeMo's own error where rank 0's was the same. They skip the fixed
+sleep. Never worse than before: over a directory, a rank that saw no sign of
+rank 0 within seconds_to_sleep and does not see every other rank there either
+(node-local disks, another working directory) carries on exactly as before,
+with one warning; so does every rank where is_global_rank_zero() and the
+launcher disagree, and nothing changes without a multi-process launcher (one
+process, Lightning's own local launcher before fit()). The trainer's
+num_nodes x devices is cross-checked with the launcher's world size.
 
 Tested: tests/core/test_exp_manager_resume_race.py starts 4 ranks with
 torchrun on a log_dir holding 2000 old files and a last checkpoint, rank 0

@@ -191,3 +191,14 @@ def tidy_new_module(path: Path, line_length: int) -> None:
     check = subprocess.run([*ruff, "check", *common, "--select", "F", str(path)], capture_output=True, text=True)
     if check.returncode != 0:
         raise EditError(f"{path} does not stand alone:\n{check.stdout}")
+
+
+def check_names_defined(repo: Path, files: list[str]) -> None:
+    """Fail on an undefined name in any file a patch added or changed (an import or a definition the
+    surgery left out); the pristine releases have none."""
+    if not files:
+        return
+    cmd = [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F821", *files]
+    check = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
+    if check.returncode != 0:
+        raise EditError(f"a patch leaves undefined names:\n{check.stdout}")

@@ -1,0 +1,250 @@
+"""Order NeMo's ``exp_manager`` start-up: global rank 0 first, everyone after it, with rank 0's ``log_dir``.
+
+Upstream, ``get_log_dir`` gives global rank 0 a fresh version (a date, or
+TensorBoard's ``version_N``) and the other ranks, which it did not spawn, none;
+then ``check_resume`` lets rank 0 move the old files of its ``log_dir`` into
+``run_N/`` while the others already read theirs, and non-zero ranks sleep a
+fixed ``seconds_to_sleep`` (NeMo #7460, #9952, PR #8604). Here, one
+:class:`~nemo_safe.barrier.Barrier` per ``exp_manager`` call:
+
+* **Where ranks meet** is decided only by what every rank of the attempt has
+  equal: under torchrun the elastic agent's store (``MASTER_ADDR:MASTER_PORT``),
+  which every worker reaches before ``init_process_group`` whatever disk each
+  node logs to; elsewhere (srun, mpirun) the hidden ``.nemo_safe/`` of the
+  *meeting directory*, ``exp_dir/name`` (or ``explicit_log_dir``): the part of
+  ``log_dir`` that does not depend on the version, under a key from the job and
+  step ids.
+* **Rank 0 never waits**: it opens the barrier, runs ``check_resume`` (lookup
+  and move) and publishes its outcome and its ``log_dir``; ranks that arrive
+  later are accepted in the background.
+* **The others wait for rank 0 only**, then return rank 0's ``log_dir`` (the
+  same on every rank) and run ``check_resume``'s lookup. If rank 0 failed, they
+  run it too, so that they raise NeMo's own error where NeMo would; otherwise
+  they raise :class:`~nemo_safe.errors.RankZeroFailed`.
+* **Never worse than upstream**: over a directory, a rank that has seen no sign
+  of rank 0 within ``seconds_to_sleep`` (the wait upstream promises) and does not
+  see every other rank there either is probably not sharing that directory with
+  rank 0 (node-local disks, another working directory): it carries on exactly as
+  upstream does, with one warning. So does every rank where NeMo and the
+  launcher disagree on which process is rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_safe import cluster_identity
+from nemo_safe.barrier import Barrier
+from nemo_safe.barrier_channels import Channel, FileChannel, StoreChannel, agent_store_address
+from nemo_safe.errors import ConfigurationError, NemoSafeError, RankZeroAbsent, RankZeroFailed
+
+log = logging.getLogger(__name__)
+
+BARRIER_NAME = "exp_manager"
+DEFAULT_SECONDS_TO_SLEEP = 5.0
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(topic: str, message: str, *args: Any) -> None:
+    """One warning per topic and process: a job of thousands of ranks logs it once per rank, not per call."""
+    with _warned_lock:
+        if topic in _warned:
+            return
+        _warned.add(topic)
+    log.warning(message, *args)
+
+
+def _trainer_world_size(trainer: Any) -> int:
+    return int(trainer.num_nodes) * int(trainer.num_devices)
+
+
+def _launcher_count_hint(ident: cluster_identity.ClusterIdentity) -> str:
+    if ident.launcher == "slurm":
+        return "srun --nodes x --ntasks-per-node (SLURM_STEP_NUM_TASKS / SLURM_NTASKS)"
+    if ident.launcher == "torchrun":
+        return "torchrun --nnodes x --nproc-per-node (WORLD_SIZE)"
+    return f"the {ident.launcher} launcher's task count"
+
+
+def meeting_dir(log_dir_parts: tuple[Any, ...], explicit_log_dir: Any) -> str:
+    """The part of ``log_dir`` every rank computes alike: ``explicit_log_dir``, else ``exp_dir/name``."""
+    log_dir, exp_dir, name = log_dir_parts[:3]
+    base = Path(log_dir) if explicit_log_dir else Path(exp_dir) / str(name or "")
+    return os.path.abspath(base)
+
+
+@dataclass
+class ResumeOrder:
+    """One ``exp_manager`` call of one rank: set up by :func:`resume_order_for`, used by the two patched functions."""
+
+    ident: cluster_identity.ClusterIdentity
+    #: ``seconds_to_sleep``: how long upstream lets the other ranks wait for rank 0.
+    grace: float
+    store: tuple[str, int] | None
+    barrier: Barrier | None = None
+    payload: dict[str, Any] | None = None
+    rank0_failure: NemoSafeError | None = None
+    #: This rank waited for rank 0 and got its outcome: upstream's fixed sleep has no purpose left.
+    ordered: bool = False
+    #: Seconds this rank already waited before carrying on as upstream does (counted against the sleep).
+    waited: float = 0.0
+    #: get_log_dir went through the barrier already in this call.
+    agreed: bool = False
+
+    # -- get_log_dir: where ranks meet, and rank 0's log_dir for everyone -----------------
+
+    def agree_log_dir(self, own: tuple[Any, ...], explicit_log_dir: Any) -> tuple[Any, ...]:
+        """Rank 0 opens the barrier and keeps ``own``; the others wait and return rank 0's parts."""
+        self.agreed = True
+        meet = meeting_dir(own, explicit_log_dir)
+        barrier = self._barrier(meet)
+        if self.ident.rank == 0:
+            barrier.open()
+            self.barrier = barrier
+            log_dir, exp_dir, name, version = own
+            self.payload = {
+                "meeting_dir": meet,
+                "log_dir": str(log_dir),
+                "exp_dir": exp_dir,
+                "name": name,
+                "version": version,
+            }
+            return own
+        started = time.monotonic()
+        try:
+            outcome = barrier.wait(grace=None if self.store else self.grace)
+        except RankZeroAbsent as exc:
+            self.waited = time.monotonic() - started
+            warn_once(
+                "absent",
+                "exp_manager: %s Carrying on as upstream NeMo does (log_dir %s, no ordering with rank 0's move). "
+                "Expected when log_dir is on a node-local disk; otherwise give every rank the same exp_dir.",
+                exc,
+                own[0],
+            )
+            return own
+        except RankZeroFailed as exc:
+            self.rank0_failure = exc
+            return own
+        self.ordered = True
+        theirs = outcome.payload
+        if theirs.get("meeting_dir") != meet:
+            warn_once(
+                "elsewhere",
+                "exp_manager: rank %d computed its log_dir under %s but rank 0 under %s (another exp_dir, name or "
+                "working directory); each keeps its own, as upstream NeMo does.",
+                self.ident.rank,
+                meet,
+                theirs.get("meeting_dir"),
+            )
+            return own
+        return Path(theirs["log_dir"]), theirs["exp_dir"], theirs["name"], theirs["version"]
+
+    def _barrier(self, meet: str) -> Barrier:
+        channel: Channel | None = None
+        if self.store is not None:
+            try:
+                channel = StoreChannel(*self.store)
+            except Exception as exc:  # any failure to reach the store means: meet in the directory
+                where = ":".join(map(str, self.store))
+                warn_once("store", "exp_manager: no torchrun agent store at %s (%s); meeting in %s", where, exc, meet)
+                self.store = None
+        if channel is None:
+            self._check_meeting_dir(meet)
+            channel = FileChannel(meet)
+        return Barrier(
+            channel,
+            self.ident.world_size,
+            BARRIER_NAME,
+            rank=self.ident.rank,
+            attempt_key=self.ident.attempt_key,
+            attempt_unique=self.ident.attempt_unique,
+            # The hidden directory stays: removing it would make an entry vanish under ranks listing log_dir.
+            keep_parent=True,
+        )
+
+    def _check_meeting_dir(self, meet: str) -> None:
+        if os.path.isdir(meet) and not os.access(meet, os.W_OK):
+            raise ConfigurationError(
+                f"exp_manager: {meet} is not writable from rank {self.ident.rank}; rank 0 must move old "
+                "files there and every rank writes logs there. Fix its permissions or choose another exp_dir."
+            )
+        try:
+            os.makedirs(meet, exist_ok=True)  # exp_manager creates log_dir below it right after anyway
+        except OSError as exc:
+            raise ConfigurationError(
+                f"exp_manager: rank {self.ident.rank} cannot create {meet} ({exc}); every rank writes logs "
+                "there. Fix the path or its permissions, or choose another exp_dir."
+            ) from exc
+
+    # -- check_resume: rank 0's move, then everyone's lookup ------------------------------
+
+    def check_resume(self, check_resume: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Rank 0 runs ``check_resume`` and publishes how it ended; the others run its lookup."""
+        barrier, self.barrier = self.barrier, None
+        if barrier is not None:
+            try:
+                result = check_resume(*args, **kwargs)
+            except BaseException as exc:
+                barrier.release(exc, self.payload)
+                raise
+            barrier.release(None, self.payload)
+            return result
+        result = check_resume(*args, **kwargs)  # NeMo's own error first, where rank 0's was the same
+        if self.rank0_failure is not None:
+            raise self.rank0_failure
+        return result
+
+    def sleep_left(self, seconds: float) -> float:
+        """What remains of upstream's fixed sleep on a non-zero rank."""
+        if self.ordered:
+            return 0.0
+        return max(0.0, seconds - self.waited)
+
+
+def resume_order_for(trainer: Any, is_global_rank_zero: Callable[[], bool], grace: float) -> ResumeOrder | None:
+    """How to order this ``exp_manager`` call, or None to leave it to upstream (one process, no launcher)."""
+    try:
+        ident = cluster_identity.detect()
+    except ConfigurationError as exc:
+        warn_once("launcher", "exp_manager: launcher variables unusable (%s); running as upstream NeMo does", exc)
+        return None
+    if ident.launcher == "none" or not ident.is_multi_process:
+        return None
+    world = _trainer_world_size(trainer)
+    if world != ident.world_size:
+        raise ConfigurationError(
+            f"exp_manager: the trainer expects num_nodes={trainer.num_nodes} x devices={trainer.num_devices} = "
+            f"{world} processes but {ident.launcher} started {ident.world_size} (this is rank {ident.rank}). "
+            f"Make them match: set devices to the tasks per node and num_nodes to the nodes, or change "
+            f"{_launcher_count_hint(ident)}."
+        )
+    if is_global_rank_zero() != (ident.rank == 0):
+        warn_once(
+            "rank0",
+            "exp_manager: NeMo's is_global_rank_zero() and the %s launcher (rank %d) disagree on which process "
+            "is rank 0; running as upstream NeMo does (export RANK to make them agree).",
+            ident.launcher,
+            ident.rank,
+        )
+        return None
+    store = agent_store_address(os.environ) if ident.launcher == "torchrun" else None
+    return ResumeOrder(ident, grace, store)
+
+
+def seconds_to_sleep(cfg: Any) -> float:
+    """``cfg.seconds_to_sleep`` of a dict or DictConfig, NeMo's default when unset or unreadable."""
+    try:
+        value = cfg.get("seconds_to_sleep", None) if cfg is not None else None
+        return DEFAULT_SECONDS_TO_SLEEP if value is None else max(0.0, float(value))
+    except (AttributeError, TypeError, ValueError):
+        return DEFAULT_SECONDS_TO_SLEEP
