@@ -42,12 +42,12 @@ echo "run_tests: pytest (nemo_toolkit 3.0.0)"
 echo "run_tests: pytest, NeMo tests again (nemo_toolkit 2.7.3)"
 # Release-dependent behaviour only: the race and its twin, training + resume, the version guard, import orders,
 # one process, the exp_manager configuration matrix under torchrun (2.7.3 writes per-rank log files always).
-# The fault cases (killed task, read-only log_dir, devices/tasks mismatch), the demo command, Lightning's local
+# The fault cases (killed task, read-only log_dir, trainer/launcher disagreeing), the demo command, Lightning's local
 # launcher and the matrix's srun, node-local and restart runs exercise nemo_safe's own code over get_log_dir and
 # check_resume, identical in both releases: run once, above.
 status=0
 .venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py \
-    -k "not demo_command and not local_launcher and not killed and not read_only and not mismatch \
+    -k "not demo_command and not local_launcher and not killed and not read_only and not disagree \
         and not srun_two_nodes and not node_local and not restart" "$@" \
     || status=$?
 [ "$status" = 0 ] || [ "$status" = 5 ]  # 5: the extra arguments selected no NeMo test

@@ -17,15 +17,19 @@ GPFS mounts) or torchrun's agent store. Protocol::
    outcome (ok, or the exception type and text) and an optional payload. After
    :meth:`~Barrier.open`, a background thread keeps accepting ranks that answer
    later, so nobody waits for anyone but rank 0.
-4. A waiter accepts only a done state listing its own nonce, so records left
-   by an earlier attempt with the same key can never release anyone: stale
-   arrivals answered a dead session, and a stale outcome lists dead nonces.
-   Where the attempt key names one attempt only (SLURM, MPI), rank 0 also
-   claims its place exclusively, and a waiter arriving after rank 0 stopped
-   accepting takes the outcome as it is.
-5. Each waiter withdraws its arrival when released; rank 0 removes ``state``
-   once every accepted arrival is gone. A failed barrier leaves ``state`` (the
-   failure) so that late ranks stop with rank 0's reason.
+4. A waiter takes a done state that lists its own nonce, or that cannot be
+   another attempt's: published since this process started (every process
+   of an earlier attempt with the same key was gone by then), or closing a
+   session it answered. Records left by an earlier attempt (a torchrun round,
+   an earlier run inside one srun step) never release anyone: stale arrivals
+   answered a dead session, a stale outcome lists dead nonces and predates
+   this process. Where the key names one attempt only (SLURM, MPI), rank 0
+   also claims its place exclusively; a claim older than this process is an
+   earlier run's and is taken over.
+5. Over a directory, each waiter that took a successful outcome leaves
+   ``taken.<session>.<rank>.<nonce>``; once every rank did, rank 0 removes the
+   records. A failed barrier leaves ``state`` (the failure) so that late ranks
+   stop with rank 0's reason.
 
 A waiter given a *grace* also publishes its presence at once; if rank 0 has
 shown no sign within the grace and not every other rank is present either, the
@@ -111,16 +115,34 @@ class Outcome:
         )
 
 
-#: Wall-clock time this process first imported nemo_safe. Every process of an earlier attempt with
-#: the same key (a torchrun round) was dead before this one started, so an outcome published more
-#: than CLOCK_SKEW after it comes from this attempt, whatever the key says.
-STARTED_AT = time.time()
+def _process_start_time() -> float:
+    """Wall-clock start of this process (Linux: from /proc, right after a fork too), else now."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration, AttributeError):
+        return time.time()
+
+
+#: When this process started. Every process of an earlier attempt with the same key (a torchrun
+#: round, an earlier run inside one srun step) was gone before it, so a record published more than
+#: CLOCK_SKEW after it is this attempt's, and one published before it is not. Assumes host clocks
+#: agree within CLOCK_SKEW (NTP keeps them within milliseconds).
+STARTED_AT = _process_start_time()
 CLOCK_SKEW = 5.0
 
 
-def _published_since_start(state: dict[str, Any]) -> bool:
-    published = state.get("time")
+def _published_since_start(record: dict[str, Any]) -> bool:
+    published = record.get("time")
     return isinstance(published, int | float) and published > STARTED_AT + CLOCK_SKEW
+
+
+def _published_before_start(record: dict[str, Any]) -> bool:
+    published = record.get("time")
+    return isinstance(published, int | float) and published < STARTED_AT - CLOCK_SKEW
 
 
 def _describe(exc: BaseException) -> tuple[str, str]:
@@ -214,6 +236,7 @@ class Barrier:
         self._accepted: dict[int, Arrival] = {}
         self._rejected: dict[str, str] = {}
         self._open = False
+        self._collecting_seen: set[str] = set()
 
     def _where(self) -> str:
         return f"barrier {self.name!r} in {self.channel.where()}"
@@ -243,8 +266,11 @@ class Barrier:
                 state = self.channel.read_state()
                 if state is not None:
                     last = state
-                    grace = None  # rank 0 showed up here: wait for it
+                    if not _published_before_start(state):
+                        grace = None  # rank 0 showed up here (not a record older than this process): wait
                     session = str(state.get("session", ""))
+                    if state.get("phase") == "collect":
+                        self._collecting_seen.add(session)
                     if session and session not in answered and self._answers(state):
                         self._withdraw(answered)
                         answered[session] = self._arrive(session)
@@ -256,7 +282,7 @@ class Barrier:
                         outcome = self._outcome_for_me(state, answered)
                         if outcome is not None:
                             if outcome.ok and self.channel.needs_cleanup:
-                                self.channel.mark_taken(self.rank, self.nonce)
+                                self.channel.mark_taken(str(state.get("session")), self.rank, self.nonce)
                             outcome.raise_if_failed(self._where(), self.rank)
                             return outcome
                 if grace is not None and progress.elapsed >= grace:
@@ -309,12 +335,19 @@ class Barrier:
         answered.clear()
 
     def _outcome_for_me(self, state: dict[str, Any], answered: dict[str, Arrival]) -> Outcome | None:
+        """This attempt's outcome for this rank, or None while it may be another attempt's (or pending)."""
         accepted = state.get("accepted") or {}
         mine = accepted.get(str(self.rank))
         if mine == self.nonce:
             return Outcome.from_state(state)
-        answered_it = str(state.get("session")) in answered
-        if answered_it and mine is not None:
+        session = str(state.get("session"))
+        answered_it = session in answered
+        fresh = _published_since_start(state)
+        # A state this process saw collecting, or published since it started, is this attempt's; a
+        # done-but-accepting state met only after the fact may be an earlier round's, frozen when its
+        # rank 0 was killed, and its accepted nonces then belong to dead processes.
+        current = fresh or session in self._collecting_seen
+        if answered_it and mine is not None and current:
             raise NemoSafeError(
                 f"{self._where()}: rank 0 accepted another process as rank {self.rank} "
                 f"(nonce {mine}, ours {self.nonce}); two processes claim the same rank. "
@@ -323,15 +356,13 @@ class Barrier:
         reason = (state.get("rejected") or {}).get(self.nonce)
         if reason:
             raise ConfigurationError(f"{self._where()}: rank 0 rejected this rank {self.rank}: {reason}")
-        if self.attempt_unique and state.get("attempt_unique"):
-            return Outcome.from_state(state)  # the key names this attempt only: its outcome is ours
-        if _published_since_start(state):
-            return Outcome.from_state(state)  # no earlier attempt's process was alive to publish it
+        if fresh:
+            return Outcome.from_state(state)  # no process of an earlier attempt was alive to publish it
         if state.get("accepting"):
             return None  # rank 0 will accept us at its next look
         if answered_it:
-            # Rank 0 closed the session we answered without counting us: its outcome is ours too
-            # (a failure it reached while we were missing, or a success we were late for).
+            # Rank 0 closed a session we answered without counting us: only a live rank 0 closes one
+            # (a dead one's state never changes), so it is this attempt's outcome, reached without us.
             return Outcome.from_state(state)
         return None  # an outcome of another attempt: never releases us
 
@@ -386,8 +417,12 @@ class Barrier:
             raise ConfigurationError(f"{self._where()}: only rank 0 gathers; rank {self.rank} must wait()")
         self.channel.prepare()
         if self.attempt_unique:
-            other = self.channel.claim_leader({"host": self.host, "pid": os.getpid(), "nonce": self.nonce})
-            if other is not None:
+            claim = {"host": self.host, "pid": os.getpid(), "nonce": self.nonce, "time": time.time()}
+            other = self.channel.claim_leader(claim)
+            if other is not None and _published_before_start(other):
+                # Rank 0 of an earlier run inside the same job step (a retry loop): gone before we started.
+                self.channel.replace_leader(claim)
+            elif other is not None:
                 raise ConfigurationError(
                     f"{self._where()}: two processes claim rank 0 of this attempt: this one (host {self.host}, "
                     f"pid {os.getpid()}) and host {other.get('host')} pid {other.get('pid')}, which got there "
@@ -397,7 +432,8 @@ class Barrier:
         self._publish_state("collect")
 
     def _scan(self) -> dict[int, Arrival]:
-        """Rank 0 only: the arrivals answering this session, by rank (first answer of a rank wins)."""
+        """Rank 0 only: the arrivals answering this session, by rank (one per rank: the accepted one, or
+        among new ones the lowest nonce; a second claimant is an error in gather mode)."""
         found: dict[int, Arrival] = dict(self._accepted)
         for arrival in sorted(self.channel.arrivals(self._session or ""), key=lambda a: a.nonce):
             if arrival.rank in found or arrival.nonce in self._rejected:
@@ -517,12 +553,12 @@ class Barrier:
                 stopping = _stopping.wait(backoff.delay(deadline))  # at exit: one last look, then final
                 before = len(self._accepted)
                 self._accepted = self._scan()
-                accounted = set(self._accepted) | self.channel.taken_ranks()  # took it unlisted (unique key)
+                accounted = set(self._accepted) | self.channel.taken_ranks(self._session or "")  # took it unlisted
                 accepting = len(accounted) < self.world_size - 1
                 if stopping or not accepting or len(self._accepted) != before:
                     self._publish_outcome(outcome, accepting and not stopping)
-                if stopping:
-                    return  # this process exits: the outcome stands as published
+                if stopping and accepting:
+                    return  # this process exits with ranks missing: the outcome stands as published
             if accepting:
                 missing = [r for r in range(1, self.world_size) if r not in self._accepted]
                 log.warning(
@@ -539,14 +575,14 @@ class Barrier:
                 return
             # Files only (no store client here), so at exit this goes on for the short join grace.
             everyone = set(range(1, self.world_size))
-            while not everyone <= self.channel.taken_ranks():
+            while not everyone <= self.channel.taken_ranks(self._session or ""):
                 if time.monotonic() >= deadline:
                     log.debug("%s: not every rank took the outcome; leaving the records", self._where())
                     return
                 backoff.sleep(deadline)
             self.channel.remove(self.keep_parent)
-        except (OSError, NemoSafeError) as exc:
-            log.debug("%s: background cleanup stopped: %s", self._where(), exc)
+        except Exception as exc:  # a store gone with its agent, a directory removed: nothing left to do
+            log.debug("%s: background acceptance/clean-up stopped: %s", self._where(), exc)
         finally:
             try:
                 _threads.remove(threading.current_thread())

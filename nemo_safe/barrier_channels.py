@@ -123,11 +123,14 @@ class Channel(ABC):
     #: Whether rank 0 removes the records once every rank took the outcome (a store ends with the job).
     needs_cleanup = False
 
-    def mark_taken(self, rank: int, nonce: str) -> None:  # noqa: B027 - only where records are cleaned up
-        """A waiter took the outcome and will not read the records again."""
+    def replace_leader(self, body: dict[str, Any]) -> None:  # noqa: B027 - only where a claim exists
+        """Take over the claim of a rank 0 that ended before this process started."""
 
-    def taken_ranks(self) -> set[int]:
-        """The ranks that took the outcome."""
+    def mark_taken(self, session: str, rank: int, nonce: str) -> None:  # noqa: B027 - only with clean-up
+        """A waiter took the outcome of ``session`` and will not read the records again."""
+
+    def taken_ranks(self, session: str) -> set[int]:
+        """The ranks that took the outcome of ``session``."""
         return set()
 
     def remove(self, keep_parent: bool) -> None:  # noqa: B027 - only where records are cleaned up
@@ -136,6 +139,8 @@ class Channel(ABC):
 
 class FileChannel(Channel):
     """Records as files in ``<directory>/.nemo_safe/<label>/``."""
+
+    needs_cleanup = True
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(directory))
@@ -247,17 +252,19 @@ class FileChannel(Channel):
         body = _loads(read_if_exists(os.path.join(self.path, arrival.name))) or {}
         return f"host {body.get('host', 'unknown')} pid {body.get('pid', 'unknown')}"
 
-    needs_cleanup = True
+    def replace_leader(self, body: dict[str, Any]) -> None:
+        publish(self.path, LEADER_NAME, json.dumps(body).encode())
 
-    def mark_taken(self, rank: int, nonce: str) -> None:
-        publish(self.path, f"{TAKEN_PREFIX}{rank}.{nonce}", b"")
+    def mark_taken(self, session: str, rank: int, nonce: str) -> None:
+        publish(self.path, f"{TAKEN_PREFIX}{session}.{rank}.{nonce}", b"")
 
-    def taken_ranks(self) -> set[int]:
+    def taken_ranks(self, session: str) -> set[int]:
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:
             return set()
-        return {int(n.split(".")[1]) for n in names if n.startswith(TAKEN_PREFIX) and n.split(".")[1].isdigit()}
+        parts = (n.split(".") for n in names if n.startswith(f"{TAKEN_PREFIX}{session}."))
+        return {int(p[2]) for p in parts if len(p) == 4 and p[2].isdigit()}
 
     def remove(self, keep_parent: bool) -> None:
         """Every rank took the outcome, so nobody reads these records again: remove them all."""

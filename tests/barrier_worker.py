@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--open", action="store_true", help="rank 0 opens the barrier without waiting for anyone")
     p.add_argument("--grace", type=float, help="waiters give up on an absent rank 0 after this (RankZeroAbsent)")
     p.add_argument("--store", help="HOST:PORT of a TCPStore to meet in instead of --dir")
+    p.add_argument("--rank0-linger", type=float, default=0.0, help="rank 0 stays this long after releasing")
     p.add_argument("--sigusr1-handler", action="store_true", help="install a handler like Lightning's requeue one")
     args = p.parse_args()
 
@@ -116,8 +117,17 @@ def _open_barrier(args, ident, directory: str, world: int, marker: str, result: 
         if ident.rank == 0:
             barrier.open()
             time.sleep(args.work_seconds)
-            publish(directory, "marker", MARKER_TEXT)
-            barrier.release()
+            if args.rank0_fault == "raise":
+                error = PermissionError(13, "Permission denied", marker)
+                barrier.release(error)
+                result.update(status="error", error_type=type(error).__name__, error=str(error))
+                code = 4
+            else:
+                publish(directory, "marker", MARKER_TEXT)
+                barrier.release()
+            print(json.dumps({**result, "seconds": time.monotonic() - started}), flush=True)
+            time.sleep(args.rank0_linger)
+            return code
         else:
             barrier.wait(grace=args.grace)
             result["saw_marker"] = read_if_exists(marker) == MARKER_TEXT

@@ -260,3 +260,66 @@ def test_store_channel_orders_ranks_and_ignores_an_earlier_attempt(tmp_path: Pat
     assert set(second.codes.values()) == {0}, second.results
     assert all(second.results[r]["saw_marker"] for r in range(1, 4)), second.results
     assert not (tmp_path / ".nemo_safe").exists(), "over a store nothing is written to the directory"
+
+
+def test_two_processes_claiming_rank0_are_a_named_error_never_two_works(tmp_path: Path) -> None:
+    """Under SLURM the key names one attempt, so rank 0 claims its place exclusively: a second process
+    with SLURM_PROCID=0 in the same step stops at once with an error naming the first, before its work."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = lambda rank: slurm_env(rank, 3, "777")  # noqa: E731
+    args = ["--dir", str(work), "--open", "--timeout", "30", "--work-seconds", "2"]
+    first = start_ranks(3, env, args, ranks=[0, 1, 2])
+    deadline = time.monotonic() + 60
+    while not list(work.glob(".nemo_safe/*/leader")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = start_ranks(3, env, args, ranks=[0]).finish(HANG_GUARD)
+    first.finish(HANG_GUARD)
+    res = second.results[0]
+    assert res["error_type"] == "ConfigurationError" and "two processes claim rank 0" in res["error"], res
+    assert f"pid {first.results[0]['pid']}" in res["error"], "the error must name the process that got there first"
+    assert res["seconds"] < 10
+    assert first.results[0]["status"] == "ok" and all(first.results[r]["saw_marker"] for r in (1, 2))
+
+
+def test_rerun_inside_one_srun_step_takes_over_the_earlier_runs_records(tmp_path: Path) -> None:
+    """A retry loop inside one step (`srun bash -c 'until python train.py; ...'`) gives every run the same
+    SLURM key. Run 1's rank 0 fails (its failure and its leader claim stay); run 2, rank 0 3 s late, must
+    neither call its rank 0 a second claimant nor release anyone on run 1's outcome."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = lambda rank: slurm_env(rank, 3, "888")  # noqa: E731
+    first = start_ranks(3, env, ["--dir", str(work), "--open", "--rank0-fault", "raise", "--work-seconds", "0"])
+    first.finish(HANG_GUARD)
+    assert list(work.glob(".nemo_safe/*/leader")), "run 1 must leave its claim for this test to mean anything"
+    time.sleep(6)  # run 2 starts later than the clock-skew margin after run 1 published
+    args = ["--dir", str(work), "--open", "--rank0-delay", "3", "--work-seconds", "0.5", "--timeout", "60"]
+    second = start_ranks(3, env, args).finish(HANG_GUARD)
+    assert second.results[0]["status"] == "ok", second.results[0]
+    assert all(second.results[r]["saw_marker"] for r in (1, 2)), second.results
+
+
+def test_frozen_accepting_state_of_a_killed_round_releases_nobody(tmp_path: Path) -> None:
+    """torchrun round 1: rank 0 opens, works and releases while rank 2 never arrives, so its acceptance
+    thread is still running when SIGTERM ends it (no atexit): the store keeps 'done, accepting, rank 1 =
+    <dead nonce>'. Round 2 (same key), rank 0 3 s late: its rank 1 must neither take round 1's outcome nor
+    call the dead nonce a second claimant."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store = ["--store", f"127.0.0.1:{server.port}", "--dir", str(tmp_path), "--timeout", "60"]
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    args = [*store, "--hold-rank", "2", "--ready-dir", str(ready), "--rank0-linger", "600"]
+    first = start_ranks(3, _torchrun(3, "same"), args)
+    first.procs[1].wait(timeout=HANG_GUARD)
+    first.procs[0].send_signal(signal.SIGTERM)
+    first.kill(2)
+    first.finish(HANG_GUARD)
+    (tmp_path / "marker").unlink()
+    second = start_ranks(3, _torchrun(3, "same"), [*store, "--rank0-delay", "3", "--work-seconds", "0.5"])
+    second.finish(HANG_GUARD)
+    assert set(second.codes.values()) == {0}, second.results
+    assert all(second.results[r]["saw_marker"] for r in (1, 2)), second.results

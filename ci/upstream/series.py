@@ -209,6 +209,9 @@ EXP_MANAGER_DEFINITIONS = (
     "meeting_dir",
     "ResumeOrder",
     "resume_order_for",
+    "_store_reachable",
+    "STORE_PROBE_SECONDS",
+    "_store_answers",
 )
 #: NeMo logs through its own ``nemo.utils.logging``, which exp_manager.py imports as ``logging``.
 NEMO_LOGGING = {"log.warning(": "logging.warning("}
@@ -226,6 +229,7 @@ def _nemo_exp_manager(tree: Path) -> None:
         "from nemo.utils.exceptions import NeMoBaseException\n" + imports,
     )
     replace_once(path, "import sys\nimport time\n", "import sys\nimport threading\nimport time\n")
+    replace_once(path, "import signal\nimport subprocess\n", "import signal\nimport socket\nimport subprocess\n")
     replace_once(
         path,
         "from collections import defaultdict\n",
@@ -265,7 +269,7 @@ def _nemo_exp_manager(tree: Path) -> None:
 
 def _nemo_local_rank(tree: Path) -> None:
     path = tree / "nemo/utils/exp_manager.py"
-    code = definitions("patches.nemo_exp_manager", ("local_rank_from_launcher",))
+    code = definitions("patches.nemo_exp_manager", ("LOCAL_RANK_FIXED_FOR", "local_rank_from_launcher"))
     insert_before_def(path, "exp_manager", rename(code, NEMO_RENAMES))
     replace_once(
         path,

@@ -28,6 +28,7 @@ import os
 import threading
 import time as _time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -39,6 +40,9 @@ from nemo_safe.patching import Patch, Replacements, Undo
 log = logging.getLogger(__name__)
 
 MODULE = "nemo.utils.exp_manager"
+#: Launchers whose global rank NeMo reads (is_global_rank_zero) but whose local rank nobody exports
+#: before fit(): there upstream names every task of a node after its first rank (NeMo #8333).
+LOCAL_RANK_FIXED_FOR = ("slurm", "openmpi")
 
 #: sha256 of the sources of ``check_resume`` and ``get_log_dir`` of the releases this patch was verified against.
 KNOWN_SOURCES = {
@@ -72,11 +76,6 @@ def recognise(module: ModuleType) -> str | None:
 _calls = threading.local()
 
 
-def _current() -> ResumeOrder | None:
-    stack = getattr(_calls, "stack", None)
-    return stack[-1] if stack else None
-
-
 class _SleepGate:
     """Stands in for the ``time`` module inside ``nemo.utils.exp_manager`` only."""
 
@@ -96,16 +95,36 @@ class _SleepGate:
         return getattr(self._real, name)
 
 
+@dataclass
+class _Call:
+    """One ``exp_manager`` call: what the wrapper knows (``seconds_to_sleep``) and the ordering, if any."""
+
+    grace: float
+    is_global_rank_zero: Callable[[], bool]
+    order: ResumeOrder | None = None
+    planned: bool = False
+
+
+def _current() -> ResumeOrder | None:
+    stack = getattr(_calls, "stack", None)
+    return stack[-1].order if stack else None
+
+
 def _make_get_log_dir(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def get_log_dir(*args: Any, **kwargs: Any) -> Any:
         own = original(*args, **kwargs)
-        order = _current()
-        if order is None or order.agreed:
+        stack = getattr(_calls, "stack", None)
+        if not stack or stack[-1].planned:
             return own  # not inside exp_manager (or a second call in one): upstream's answer
-        explicit = signature.bind(*args, **kwargs).arguments.get("explicit_log_dir")
-        return order.agree_log_dir(own, explicit)
+        call = stack[-1]
+        call.planned = True
+        bound = signature.bind(*args, **kwargs).arguments
+        call.order = nemo_resume_order.resume_order_for(bound["trainer"], call.is_global_rank_zero, call.grace)
+        if call.order is None:
+            return own
+        return call.order.agree_log_dir(own, bound.get("explicit_log_dir"))
 
     get_log_dir.__wrapped__ = original  # type: ignore[attr-defined]
     get_log_dir.__doc__ = original.__doc__
@@ -125,39 +144,43 @@ def _make_check_resume(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def local_rank_from_launcher() -> int:
-    """``LOCAL_RANK``, or else the launcher's local rank.
+    """``LOCAL_RANK``, or else the local rank of a launcher whose global rank NeMo reads.
 
-    exp_manager runs before ``fit()``, and under ``srun`` nothing has exported
-    ``LOCAL_RANK`` yet: taking 0 gives every task of a node the same global rank
-    and the same ``nemo_log_globalrank-*_localrank-0.txt`` file.
+    exp_manager runs before ``fit()``, and under ``srun`` (or ``mpirun``) nothing has
+    exported ``LOCAL_RANK`` yet: taking 0 gives every task of a node the same global
+    rank and the same ``nemo_log_globalrank-*_localrank-0.txt`` file.
     """
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
     ident = cluster_identity.detect()
-    return ident.local_rank if ident.launcher != "none" else 0
+    return ident.local_rank if ident.launcher in LOCAL_RANK_FIXED_FOR else 0
 
 
-def _launcher_local_rank() -> int:
+def _launcher_local_rank() -> int | None:
+    """The local rank to export while exp_manager runs, or None to leave the environment alone."""
+    if "LOCAL_RANK" in os.environ:
+        return None
     try:
-        return local_rank_from_launcher()
+        ident = cluster_identity.detect()
     except ValueError:  # unusable launcher variables: upstream's default
-        return 0
+        return None
+    if ident.launcher not in LOCAL_RANK_FIXED_FOR or not ident.is_multi_process:
+        return None
+    return local_rank_from_launcher()
 
 
 def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Callable[..., Any]:
     def exp_manager(trainer: Any, cfg: Any = None) -> Any:
-        grace = nemo_resume_order.seconds_to_sleep(cfg)
-        order = nemo_resume_order.resume_order_for(trainer, module.is_global_rank_zero, grace)
         stack = _calls.__dict__.setdefault("stack", [])
-        stack.append(order)
-        exported = "LOCAL_RANK" not in os.environ
-        if exported:
-            os.environ["LOCAL_RANK"] = str(_launcher_local_rank())  # upstream names its per-rank log file by it
+        stack.append(_Call(nemo_resume_order.seconds_to_sleep(cfg), module.is_global_rank_zero))
+        local_rank = _launcher_local_rank()
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = str(local_rank)  # upstream names its per-rank log file by it
         try:
             return original(trainer, cfg)
         finally:
             stack.pop()
-            if exported:
+            if local_rank is not None:
                 os.environ.pop("LOCAL_RANK", None)
 
     exp_manager.__wrapped__ = original  # type: ignore[attr-defined]

@@ -26,13 +26,15 @@ fixed ``seconds_to_sleep`` (NeMo #7460, #9952, PR #8604). Here, one
   see every other rank there either is probably not sharing that directory with
   rank 0 (node-local disks, another working directory): it carries on exactly as
   upstream does, with one warning. So does every rank where NeMo and the
-  launcher disagree on which process is rank 0.
+  launcher disagree on which process is rank 0, or the trainer's
+  ``num_nodes x devices`` on the number of processes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +45,7 @@ from typing import Any
 from nemo_safe import cluster_identity
 from nemo_safe.barrier import Barrier
 from nemo_safe.barrier_channels import Channel, FileChannel, StoreChannel, agent_store_address
-from nemo_safe.errors import ConfigurationError, NemoSafeError, RankZeroAbsent, RankZeroFailed
+from nemo_safe.errors import ConfigurationError, RankZeroAbsent, RankZeroFailed
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +94,16 @@ class ResumeOrder:
     store: tuple[str, int] | None
     barrier: Barrier | None = None
     payload: dict[str, Any] | None = None
-    rank0_failure: NemoSafeError | None = None
+    rank0_failure: RankZeroFailed | None = None
     #: This rank waited for rank 0 and got its outcome: upstream's fixed sleep has no purpose left.
     ordered: bool = False
     #: Seconds this rank already waited before carrying on as upstream does (counted against the sleep).
     waited: float = 0.0
-    #: get_log_dir went through the barrier already in this call.
-    agreed: bool = False
 
     # -- get_log_dir: where ranks meet, and rank 0's log_dir for everyone -----------------
 
     def agree_log_dir(self, own: tuple[Any, ...], explicit_log_dir: Any) -> tuple[Any, ...]:
         """Rank 0 opens the barrier and keeps ``own``; the others wait and return rank 0's parts."""
-        self.agreed = True
         meet = meeting_dir(own, explicit_log_dir)
         barrier = self._barrier(meet)
         if self.ident.rank == 0:
@@ -155,6 +154,7 @@ class ResumeOrder:
             try:
                 channel = StoreChannel(*self.store)
             except Exception as exc:  # any failure to reach the store means: meet in the directory
+                _store_reachable[self.store] = False
                 where = ":".join(map(str, self.store))
                 warn_once("store", "exp_manager: no torchrun agent store at %s (%s); meeting in %s", where, exc, meet)
                 self.store = None
@@ -212,22 +212,31 @@ class ResumeOrder:
 
 
 def resume_order_for(trainer: Any, is_global_rank_zero: Callable[[], bool], grace: float) -> ResumeOrder | None:
-    """How to order this ``exp_manager`` call, or None to leave it to upstream (one process, no launcher)."""
+    """How to order this ``exp_manager`` call, or None to leave it to upstream: one process, no
+    launcher, or a configuration nemo_safe cannot order safely (one warning says which)."""
     try:
         ident = cluster_identity.detect()
     except ConfigurationError as exc:
         warn_once("launcher", "exp_manager: launcher variables unusable (%s); running as upstream NeMo does", exc)
         return None
-    if ident.launcher == "none" or not ident.is_multi_process:
-        return None
     world = _trainer_world_size(trainer)
+    if ident.launcher == "none" or not ident.is_multi_process or world == 1:
+        return None  # one process, or independent one-device tasks of one step (a sweep): nothing to order
     if world != ident.world_size:
-        raise ConfigurationError(
-            f"exp_manager: the trainer expects num_nodes={trainer.num_nodes} x devices={trainer.num_devices} = "
-            f"{world} processes but {ident.launcher} started {ident.world_size} (this is rank {ident.rank}). "
-            f"Make them match: set devices to the tasks per node and num_nodes to the nodes, or change "
-            f"{_launcher_count_hint(ident)}."
+        warn_once(
+            "world",
+            "exp_manager: the trainer expects num_nodes=%s x devices=%s = %d processes but %s started %d (this is "
+            "rank %d), so nemo_safe cannot tell which ranks to wait for; running as upstream NeMo does. Make them "
+            "match: set devices to the tasks per node and num_nodes to the nodes, or change %s.",
+            trainer.num_nodes,
+            trainer.num_devices,
+            world,
+            ident.launcher,
+            ident.world_size,
+            ident.rank,
+            _launcher_count_hint(ident),
         )
+        return None
     if is_global_rank_zero() != (ident.rank == 0):
         warn_once(
             "rank0",
@@ -238,7 +247,25 @@ def resume_order_for(trainer: Any, is_global_rank_zero: Callable[[], bool], grac
         )
         return None
     store = agent_store_address(os.environ) if ident.launcher == "torchrun" else None
+    if store is not None and not _store_answers(store):
+        warn_once("store", "exp_manager: torchrun's agent store %s:%s does not answer; meeting in exp_dir", *store)
+        store = None
     return ResumeOrder(ident, grace, store)
+
+
+_store_reachable: dict[tuple[str, int], bool] = {}
+STORE_PROBE_SECONDS = 2.0
+
+
+def _store_answers(address: tuple[str, int]) -> bool:
+    """A quick TCP connect, once per process: TCPStore's own client retries for many seconds."""
+    if address not in _store_reachable:
+        try:
+            socket.create_connection(address, timeout=STORE_PROBE_SECONDS).close()
+            _store_reachable[address] = True
+        except OSError:
+            _store_reachable[address] = False
+    return _store_reachable[address]
 
 
 def seconds_to_sleep(cfg: Any) -> float:
