@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nemo_safe import demo
+
 MEMBER = str(Path(__file__).resolve().parent / "exp_manager_member.py")
 OLD_FILES = 2000
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
@@ -41,11 +43,7 @@ def launch(launcher: str, config: str, tmp: Path) -> dict[str, list[float]]:
     side.mkdir(parents=True)
     if config == "resume":
         for variant in ("upstream", "nemo_safe"):
-            log = base / variant / "log"
-            (log / "checkpoints").mkdir(parents=True)
-            for i in range(OLD_FILES):
-                (log / f"old_{i:04d}.txt").write_text(f"old file {i}\n")
-            (log / "checkpoints" / "model--step=2-last.ckpt").write_text("checkpoint")
+            demo.make_old_log_dir(base / variant / "log", OLD_FILES)
     args = [MEMBER, "--base", str(base), "--side", str(side), "--config", config]
     env = clean_env()
     if launcher == "torchrun":

@@ -66,14 +66,6 @@ def old_files_dir(base: Path, case: str, variant: str) -> Path:
     return d / "log" if "explicit_log_dir" in cfg else d / "exp"
 
 
-def make_old_run(log_dir: Path) -> None:
-    """What a previous run leaves in log_dir: files to archive and a last checkpoint (idempotent)."""
-    (log_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    for i in range(OLD_FILES):
-        (log_dir / f"old_{i:04d}.txt").write_text(f"old file {i}\n")
-    (log_dir / "checkpoints" / "model--step=2-last.ckpt").write_text("checkpoint")
-
-
 def run_case(case: str, variant: str, args: argparse.Namespace, ident: Any) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -141,7 +133,7 @@ def main() -> int:
         for case in args.cases.split(","):
             for variant in args.variants.split(","):
                 if CASES[case].old_run:
-                    make_old_run(old_files_dir(Path(args.base), case, variant))
+                    demo.make_old_log_dir(old_files_dir(Path(args.base), case, variant), OLD_FILES)
     for case in args.cases.split(","):
         for variant in args.variants.split(","):
             if variant == "upstream":

@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from nemo_safe import demo
+
 import exp_manager_worker as worker
 from procs import clean_env
 
@@ -51,7 +53,7 @@ def prepare(base: Path, cases: tuple[str, ...]) -> None:
     for case in cases:
         if worker.CASES[case].old_run:
             for variant in ("upstream", "nemo_safe"):
-                worker.make_old_run(worker.old_files_dir(base, case, variant))
+                demo.make_old_log_dir(worker.old_files_dir(base, case, variant), worker.OLD_FILES)
 
 
 def parse(side: Path) -> Results:
