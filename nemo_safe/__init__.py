@@ -3,6 +3,8 @@
 ``import nemo_safe`` enables the library patches (lazily: a patched module is
 changed when it is imported, whatever the order) unless ``NEMO_SAFE_DISABLE=1``.
 It imports nothing heavy itself: no torch, lightning, nemo or torchvision.
+On a platform without ``os.O_NOFOLLOW`` or ``os.link`` (Windows) it patches nothing
+and logs one warning on the ``nemo_safe`` logger; every library then runs as upstream.
 
 Public API::
 
@@ -11,11 +13,14 @@ Public API::
     nemo_safe.detect_identity()                              # rank, world size, attempt key
     nemo_safe.SingleFlight(directory, name).run(job, done)   # one process does a job, the others wait
     nemo_safe.patch() / nemo_safe.unpatch()                  # (re)apply / undo the patches
+    nemo_safe.active()                                       # names of the patches applied
 """
 
 from __future__ import annotations
 
-from nemo_safe import patches, patching
+import logging
+
+from nemo_safe import patches, patching, platform_support
 from nemo_safe.barrier import Barrier, rank_zero_first
 from nemo_safe.cluster_identity import ClusterIdentity
 from nemo_safe.cluster_identity import detect as detect_identity
@@ -50,6 +55,7 @@ __all__ = [
     "UnsafeBarrierPath",
     "WaitTimeout",
     "__version__",
+    "active",
     "detect_identity",
     "patch",
     "rank_zero_first",
@@ -57,10 +63,16 @@ __all__ = [
 ]
 
 
+log = logging.getLogger(__name__)
+
+
 def patch() -> bool:
     """Apply every registered library patch now and on later imports (idempotent).
 
-    Returns False when ``NEMO_SAFE_DISABLE`` is set."""
+    Returns False when ``NEMO_SAFE_DISABLE`` is set or the platform lacks what the patches
+    rely on (:mod:`nemo_safe.platform_support`); nothing is patched then."""
+    if not platform_support.supported():
+        return False
     return patching.enable()
 
 
@@ -69,6 +81,13 @@ def unpatch() -> None:
     patching.disable()
 
 
+def active() -> list[str]:
+    """Names of the library patches currently applied (empty when nothing is patched)."""
+    return patching.active()
+
+
 for _patch in patches.ALL:
     patching.register(_patch)
+if not patching.disabled_by_env() and not platform_support.supported():
+    log.warning("%s", platform_support.unsupported_message())
 patch()

@@ -8,15 +8,27 @@ share one (NFS can answer a retransmitted exclusive create with a spurious EEXIS
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import secrets
 import shutil
 import socket
+import stat
 import time
+from collections.abc import Iterable
+
+from nemo_safe.errors import UnsafeArchivePath
+
+log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp."
-_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# getattr: importing this module must not fail where a flag is missing (Windows has no O_NOFOLLOW and
+# O_CLOEXEC, and needs O_BINARY, or os.write translates newlines). nemo_safe patches nothing on such
+# platforms (see nemo_safe.platform_support), so no library goes through these without O_NOFOLLOW.
+_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+_OPEN_READ = os.O_RDONLY | _FLAGS
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FLAGS
 
 
 def temp_name(final_name: str) -> str:
@@ -46,19 +58,52 @@ def publish(directory: str, name: str, data: bytes, *, fsync: bool = False) -> N
         raise
 
 
+#: Consecutive ESTALE answers after which a read gives up (each retry looks the path up afresh).
+ESTALE_RETRIES = 20
+
+
 def read_if_exists(path: str) -> bytes | None:
-    """The content of ``path``, or None when it does not exist. Never follows a symlink."""
-    try:
-        fd = os.open(path, _OPEN_READ)
-    except FileNotFoundError:
-        return None
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """The content of ``path``, or None when it does not exist. Never follows a symlink.
+
+    NFS answers ESTALE when another client renamed a new file over ``path`` between our
+    open and read: that is "changed", so the path is looked up and read again."""
+    for attempt in range(ESTALE_RETRIES):
+        try:
+            fd = os.open(path, _OPEN_READ)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or attempt == ESTALE_RETRIES - 1:
+                raise
+            time.sleep(0.001 * (attempt + 1))
+            continue
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or attempt == ESTALE_RETRIES - 1:
+                raise
+            time.sleep(0.001 * (attempt + 1))
+        finally:
+            os.close(fd)
+    raise AssertionError("unreachable")
+
+
+def listdir_if_exists(path: str) -> list[str] | None:
+    """The names in ``path``, or None when it does not exist; ESTALE (the directory was
+    removed and recreated by another client) is looked up again like in :func:`read_if_exists`."""
+    for attempt in range(ESTALE_RETRIES):
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ESTALE or attempt == ESTALE_RETRIES - 1:
+                raise
+            time.sleep(0.001 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def unlink_if_exists(path: str) -> None:
@@ -72,15 +117,43 @@ def unlink_if_exists(path: str) -> None:
 _OWNER_SEP = "~"
 
 
+def _host() -> str:
+    return socket.gethostname().replace(_OWNER_SEP, "-")
+
+
+def pid_namespace() -> str | None:
+    """Where a pid of this process means this process: the boot (16 hex digits of the boot id) and
+    the pid namespace (its inode), ``<boot>-<inode>``; None when unknown (no Linux /proc).
+
+    Containers sharing a hostname (docker ``--net=host``, Kubernetes ``hostNetwork``) have pid
+    namespaces of their own, so host and pid alone cannot tell a live writer from a dead one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip().replace("-", "")[:16]
+        inode = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{boot}-{inode}" if len(boot) == 16 else None
+
+
+def _owner() -> str | None:
+    """``<host>@<pid namespace>``: where the pid in a temporary's name can be looked up; None if unknown."""
+    pidns = pid_namespace()
+    return f"{_host()}@{pidns}" if pidns else None
+
+
 def owned_temp_name(final_name: str) -> str:
-    """A temporary sibling name that also says who writes it (host and pid), so that
-    :func:`sweep_stale_temps` can tell a dead writer's leftover from live work."""
-    host = socket.gethostname().replace(_OWNER_SEP, "-")
-    return f"{TMP_PREFIX}{final_name}{_OWNER_SEP}{host}{_OWNER_SEP}{os.getpid()}{_OWNER_SEP}{secrets.token_hex(4)}"
+    """A temporary sibling name that also says who writes it, ``.tmp.<name>~<host>@<pidns>~<pid>~<random>``,
+    so that :func:`sweep_stale_temps` can tell a dead writer's leftover from live work.
+
+    Older versions of this module compare the owner part with their bare hostname: it never
+    matches, so they judge these names by age only, never by a pid of another namespace."""
+    owner = _owner() or f"{_host()}@unknown"
+    return f"{TMP_PREFIX}{final_name}{_OWNER_SEP}{owner}{_OWNER_SEP}{os.getpid()}{_OWNER_SEP}{secrets.token_hex(4)}"
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (unknown pids count as alive)."""
+    """Whether a process with this pid exists in this pid namespace (unknown pids count as alive)."""
     if pid <= 0:
         return True  # kill(0 or -1, 0) would address process groups, not one process
     try:
@@ -92,12 +165,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _checkable_pid(name: str, owner: str | None) -> int | None:
+    """The writer's pid when ``name`` was made on this host, boot and pid namespace (``owner``), so
+    that its pid can be looked up here; None otherwise. Old names (``~<host>~<pid>~``) say no
+    namespace: their writer may be alive in another container of this host, so they get None."""
+    _, name_owner, pid, _ = name.rsplit(_OWNER_SEP, 3)
+    if owner is None or name_owner != owner or not pid.isdigit():
+        return None
+    return int(pid)
+
+
 def sweep_stale_temps(directory: str, max_age: float = 24 * 3600.0) -> list[str]:
-    """Remove temporaries of :func:`owned_temp_name` whose writer is gone: on this host
-    when its pid no longer exists, on other hosts once untouched for ``max_age``
-    (mtimes lag across hosts on some filesystems, hence the generous age).
+    """Remove temporaries of :func:`owned_temp_name` whose writer is gone: when it ran on this host,
+    boot and pid namespace, once its pid no longer exists; any other (another host, another
+    container sharing this hostname, an old name without a namespace) once untouched for
+    ``max_age`` (mtimes lag across hosts on some filesystems, hence the generous age).
     Returns the names removed. They were never published, so nothing else refers to them."""
-    host = socket.gethostname().replace(_OWNER_SEP, "-")
+    owner = _owner()
     removed = []
     try:
         names = os.listdir(directory)
@@ -107,11 +191,11 @@ def sweep_stale_temps(directory: str, max_age: float = 24 * 3600.0) -> list[str]
     for name in names:
         if not name.startswith(TMP_PREFIX) or name.count(_OWNER_SEP) < 3:
             continue
-        _, owner, pid, _ = name.rsplit(_OWNER_SEP, 3)
         path = os.path.join(directory, name)
+        pid = _checkable_pid(name, owner)
         try:
-            if owner == host and pid.isdigit():
-                stale = not pid_alive(int(pid))
+            if pid is not None:
+                stale = not pid_alive(pid)
             else:
                 stale = now - os.lstat(path).st_mtime > max_age
             if not stale:
@@ -140,18 +224,116 @@ def seal(tmp: str, final: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, final)
+    replace_file(tmp, final)
 
 
-def merge_tree(staging: str, dest: str) -> None:
-    """Move every file of ``staging`` to the same place under ``dest``, one atomic rename each."""
-    for top, dirs, files in os.walk(staging):
-        rel = os.path.relpath(top, staging)
-        target = os.path.normpath(os.path.join(dest, rel))
-        os.makedirs(target, exist_ok=True)
-        for name in list(dirs):
-            if os.path.islink(os.path.join(top, name)):
-                dirs.remove(name)
-                files.append(name)
-        for name in files:
-            os.replace(os.path.join(top, name), os.path.join(target, name))
+def replace_file(src: str, dst: str) -> None:
+    """``os.replace``, except where the folder forbids replacing ``dst`` but ``dst`` may be written:
+    a sticky shared folder (``+t``) with another user's group- or world-writable file. Upstream
+    rewrites such a file in place ("wb"), so that is done here too, with a warning: the job works
+    as upstream's does, without the atomicity nemo_safe adds elsewhere."""
+    try:
+        os.replace(src, dst)
+    except PermissionError:
+        if os.path.islink(dst) or not os.path.isfile(dst) or not os.access(dst, os.W_OK):
+            raise
+        log.warning(
+            "nemo_safe: %s belongs to another user in a folder that forbids replacing it (sticky bit); "
+            "rewriting it in place as upstream does (not atomic: readers may see it partly written)",
+            dst,
+        )
+        shutil.copyfile(src, dst)
+        os.unlink(src)
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _check_complete(staging: str, expected: Iterable[str]) -> None:
+    """Raise FileNotFoundError when ``staging`` or any ``expected`` path in it is gone (another
+    process removed it): publishing the rest and returning would hide the loss."""
+    if not os.path.isdir(staging):
+        raise FileNotFoundError(
+            errno.ENOENT, "the extraction folder vanished before its files were published (removed by another "
+            "process?); nothing was published", staging,
+        )  # fmt: skip
+    missing = [p for p in expected if not os.path.lexists(os.path.join(staging, p))]
+    if missing:
+        raise FileNotFoundError(
+            errno.ENOENT, f"{len(missing)} archive member(s) vanished from the extraction folder before they were "
+            f"published (removed by another process?), e.g. {missing[:3]}; nothing was published",
+            os.path.join(staging, missing[0]),
+        )  # fmt: skip
+
+
+def _check_inside(path: str, root: str) -> None:
+    """Refuse to write below ``path`` unless it is a directory inside ``root`` (a real path): a
+    symlink already in the destination may point elsewhere inside it, never out of it."""
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, root]) != root:
+        raise UnsafeArchivePath(
+            f"{path} leads to {real}, outside the extraction destination {root} (a symlink): nothing was written "
+            f"through it. Remove the symlink, or point it inside {root}, and extract again."
+        )
+    if not os.path.isdir(real):
+        raise NotADirectoryError(errno.ENOTDIR, "the archive has a directory where the destination has a file", path)
+
+
+def _owner_writable(path: str) -> int:
+    """Let the owner write to a staging directory extraction made read-only (moving entries out of
+    it, or it to another parent, needs that even where upstream's in-place extraction does not);
+    returns its mode before."""
+    mode = stat.S_IMODE(os.lstat(path).st_mode)
+    if not mode & stat.S_IWUSR:
+        os.chmod(path, mode | stat.S_IWUSR)
+    return mode
+
+
+def _move_new_dir(src: str, dst: str) -> bool:
+    """Rename the directory ``src`` to ``dst`` if ``dst`` does not exist, keeping its mode; False if
+    it does (also when another process created it just now), so the caller merges into it instead."""
+    if os.path.lexists(dst):
+        return False
+    mode = _owner_writable(src)
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False
+        raise
+    if not mode & stat.S_IWUSR:
+        os.chmod(dst, mode)
+    return True
+
+
+def merge_tree(staging: str, dest: str, expected: Iterable[str] = ()) -> None:
+    """Move what an extraction left in ``staging`` to the same places under ``dest``.
+
+    A directory ``dest`` lacks is renamed into place whole: it appears complete, with the mode,
+    owner and times extraction gave it (as upstream's in-place extraction leaves them). Into an
+    existing directory, which keeps its mode, each entry is renamed (atomic). Never writes through
+    a symlink leading out of ``dest`` (UnsafeArchivePath). Raises FileNotFoundError when
+    ``staging`` lost any ``expected`` path or anything while moving, instead of returning with a
+    partial tree published."""
+    _check_complete(staging, expected)
+    root = os.path.realpath(dest)
+    try:
+        for top, dirs, files in os.walk(staging, onerror=_raise):
+            target = os.path.normpath(os.path.join(dest, os.path.relpath(top, staging)))
+            _check_inside(target, root)
+            if dirs or files:
+                _owner_writable(top)
+            for name in list(dirs):
+                if os.path.islink(os.path.join(top, name)):
+                    dirs.remove(name)
+                    files.append(name)
+                elif _move_new_dir(os.path.join(top, name), os.path.join(target, name)):
+                    dirs.remove(name)
+            for name in files:
+                replace_file(os.path.join(top, name), os.path.join(target, name))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            errno.ENOENT, f"files vanished from the extraction folder while they were published into {dest} "
+            f"(removed by another process?); what was moved before stays: {exc}", staging,
+        ) from exc  # fmt: skip

@@ -31,6 +31,12 @@ GPFS mounts) or torchrun's agent store. Protocol::
    records. A failed barrier leaves ``state`` (the failure) so that late ranks
    stop with rank 0's reason.
 
+While rank 0 works (between opening a session and publishing its outcome) it
+republishes ``state`` every few seconds with a growing ``beat``: a waiter's
+timeout counts rank 0's silence, not its work, so a slow move of 100k files is
+never reported as a dead rank 0. A ``state`` that nemo_safe cannot have written
+(shared folders are writable by others) is ignored and named in the timeout error.
+
 A waiter given a *grace* also publishes its presence at once; if rank 0 has
 shown no sign within the grace and not every other rank is present either, the
 ranks may not share this directory at all (node-local disks, different
@@ -61,7 +67,7 @@ from nemo_safe.errors import (
     RankZeroAbsent,
     RankZeroFailed,
 )
-from nemo_safe.waiting import POLL_MIN, Backoff, Progress, default_timeout, env_seconds
+from nemo_safe.waiting import POLL_MIN, Backoff, Progress, default_timeout, env_seconds, positive_seconds
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,8 @@ RANK0_POLL_SPEEDUP = 5.0
 #: Waiters outlast rank 0's timeout by this much so that they hear its verdict.
 WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
 CLEANUP_GRACE_AT_EXIT = 10.0
+#: Rank 0 republishes its state this often while it works (a sign of life for the waiters).
+RANK0_HEARTBEAT = 2.0
 #: The session waiters answer with their presence, before rank 0 has opened one.
 PRESENCE = "-"
 
@@ -145,6 +153,37 @@ def _published_before_start(record: dict[str, Any]) -> bool:
     return isinstance(published, int | float) and published < STARTED_AT - CLOCK_SKEW
 
 
+#: Field types of a ``state`` record (absent fields are fine); anything else was not written by nemo_safe.
+_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "phase": str,
+    "session": str,
+    "accepted": dict,
+    "rejected": dict,
+    "accepting": bool,
+    "ok": bool,
+    "error_type": str,
+    "error": str,
+    "payload": dict,
+    "rank0": dict,
+    "time": (int, float),
+    "beat": int,
+    "world_size": int,
+}
+
+
+def valid_state(state: dict[str, Any]) -> bool:
+    """Whether ``state`` has the shape rank 0 publishes (other users can write shared folders)."""
+    if state.get("phase") not in ("collect", "done"):
+        return False
+    for key, kind in _STATE_FIELDS.items():
+        if key in state and not isinstance(state[key], kind):
+            return False
+    for table in ("accepted", "rejected"):
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in state.get(table, {}).items()):
+            return False
+    return True
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
@@ -156,6 +195,8 @@ _sequence_lock = threading.Lock()
 #: none is still inside a store client while the interpreter shuts down.
 _threads: list[threading.Thread] = []
 _stopping = threading.Event()
+#: Stop signals of rank 0's heartbeats, set at exit (a rank 0 that exits without releasing).
+_heartbeat_stops: set[threading.Event] = set()
 
 
 def _next_sequence(where: str, name: str, key: str) -> int:
@@ -165,10 +206,20 @@ def _next_sequence(where: str, name: str, key: str) -> int:
         return n
 
 
+def _forget_this_thread() -> None:
+    """A background thread ending: nothing left for the exit handler to join."""
+    try:
+        _threads.remove(threading.current_thread())
+    except ValueError:
+        pass
+
+
 @atexit.register
 def _finish_threads() -> None:
     """Late acceptance stops at once (publishing the outcome as final); clean-up gets a short grace."""
     _stopping.set()
+    for stop in list(_heartbeat_stops):
+        stop.set()
     deadline = time.monotonic() + CLEANUP_GRACE_AT_EXIT
     for thread in list(_threads):
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -214,13 +265,11 @@ class Barrier:
         self.attempt_key = cluster_identity.sanitize_component(key)
         #: The key names this attempt only (SLURM, MPI): records carrying it are never an earlier attempt's.
         self.attempt_unique = attempt_unique
-        self.timeout = default_timeout() if timeout is None else float(timeout)
-        if self.timeout <= 0:
-            raise ConfigurationError(f"barrier {name!r}: timeout must be positive, got {timeout!r}")
+        self.timeout = default_timeout() if timeout is None else positive_seconds(f"barrier {name!r}: timeout", timeout)
         if poll_max is None:
             scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, world_size / POLLS_PER_SECOND_BUDGET))
             poll_max = env_seconds(POLL_MAX_ENV, scaled)
-        self.poll_max = poll_max
+        self.poll_max = positive_seconds(f"barrier {name!r}: poll_max", poll_max)
         self.channel = where if isinstance(where, Channel) else FileChannel(where)
         seq = _next_sequence(self.channel.identity, self.name, self.attempt_key)
         self.channel.bind(f"{self.name}.{self.attempt_key}.{seq}")
@@ -237,6 +286,8 @@ class Barrier:
         self._rejected: dict[str, str] = {}
         self._open = False
         self._collecting_seen: set[str] = set()
+        self._heartbeat: tuple[threading.Event, threading.Thread] | None = None
+        self._foreign_state: str | None = None  # what a malformed state looked like, for the error
 
     def _where(self) -> str:
         return f"barrier {self.name!r} in {self.channel.where()}"
@@ -260,11 +311,16 @@ class Barrier:
             self.channel.prepare()
             presence = self._arrive(PRESENCE)
         last: dict[str, Any] | None = None
+        alive: tuple[Any, Any] | None = None  # rank 0's (session, beat) last seen
         try:
             while True:
                 self.polls += 1
-                state = self.channel.read_state()
+                state = self._read_valid_state()
                 if state is not None:
+                    if (state.get("session"), state.get("beat")) != alive:
+                        if alive is not None:  # rank 0 is alive and working: the timeout counts silence
+                            deadline = max(deadline, time.monotonic() + self.timeout)
+                        alive = (state.get("session"), state.get("beat"))
                     last = state
                     if not _published_before_start(state):
                         grace = None  # rank 0 showed up here (not a record older than this process): wait
@@ -307,6 +363,15 @@ class Barrier:
             self._withdraw(answered)
             if presence is not None:
                 self.channel.withdraw(presence)
+
+    def _read_valid_state(self) -> dict[str, Any] | None:
+        state = self.channel.read_state()
+        if state is None or valid_state(state):
+            return state
+        if self._foreign_state is None:
+            self._foreign_state = repr(state)[:200]
+            log.warning("%s: ignoring a state record nemo_safe did not write: %s", self._where(), self._foreign_state)
+        return None
 
     def _answers(self, state: dict[str, Any]) -> bool:
         """Answer a session that is collecting, or done but still accepting late ranks."""
@@ -376,6 +441,11 @@ class Barrier:
 
     def _waiter_timeout_message(self, last: dict[str, Any] | None, elapsed: float) -> str:
         head = f"{self._where()}: rank {self.rank} of {self.world_size} waited {elapsed:.0f} s"
+        if last is None and self._foreign_state is not None:
+            return (
+                f"{head}; the only state record there is not one nemo_safe writes ({self._foreign_state}): "
+                f"another user or program writes into {self.channel.where()}. Remove it and restart."
+            )
         if last is None:
             return (
                 f"{head} and rank 0 never started the barrier (no state appeared). "
@@ -386,7 +456,8 @@ class Barrier:
         if last.get("phase") == "collect":
             return (
                 f"{head}; rank 0 (host {r0.get('host')}, pid {r0.get('pid')}) opened session "
-                f"{last.get('session')} but never finished: it died or hangs in its work. "
+                f"{last.get('session')} but never finished, and showed no sign of life for the last "
+                f"{self.timeout:.0f} s: it died, or it hangs with its heartbeat stopped too. "
                 f"If that process is not part of this job, {self.channel.where()} is left over from an "
                 "earlier attempt with the same key: delete it and restart."
             )
@@ -430,6 +501,37 @@ class Barrier:
                 )
         self._session = secrets.token_hex(8)
         self._publish_state("collect")
+        self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        """Republish the collecting state with a growing beat until :meth:`release`."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            n = 0
+            try:
+                while not stop.wait(RANK0_HEARTBEAT):
+                    n += 1
+                    try:
+                        self._publish_state("collect", beat=n)
+                    except Exception as exc:  # one failed write (a failover): the next beat may get through
+                        log.debug("%s: heartbeat %d not published: %s", self._where(), n, exc)
+            finally:
+                _heartbeat_stops.discard(stop)
+                _forget_this_thread()
+
+        thread = threading.Thread(target=beat, daemon=True, name=f"nemo_safe-barrier-beat-{self.name}")
+        self._heartbeat = (stop, thread)
+        _heartbeat_stops.add(stop)
+        _threads.append(thread)
+        thread.start()
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            stop, thread = self._heartbeat
+            stop.set()
+            thread.join()
+            self._heartbeat = None
 
     def _scan(self) -> dict[int, Arrival]:
         """Rank 0 only: the arrivals answering this session, by rank (one per rank: the accepted one, or
@@ -472,18 +574,26 @@ class Barrier:
         self._open = True
 
     def gather(self) -> None:
-        """Rank 0: open a session and wait until every other rank has answered it."""
+        """Rank 0: open a session and wait until every other rank has answered it. Whatever ends
+        the wait early (a failing read included) is published as rank 0's outcome and stops its
+        heartbeat, so that no waiter goes on waiting for a rank 0 that left."""
         self._start()
+        try:
+            self._gather()
+        except BaseException as exc:
+            try:
+                self.release(exc)
+            except Exception as release_error:  # the records are unreachable too: the waiters time out
+                log.warning("%s: could not publish rank 0's failure: %s", self._where(), release_error)
+            raise
+
+    def _gather(self) -> None:
         progress = Progress()
         # Rank 0 is the only lister, so it can afford to poll faster than the waiters.
         backoff = Backoff(max(POLL_MIN, self.poll_max / RANK0_POLL_SPEEDUP))
         deadline = time.monotonic() + self.timeout
         while True:
-            try:
-                arrived = self._scan()
-            except ConfigurationError as exc:
-                self.release(exc)
-                raise
+            arrived = self._scan()
             if len(arrived) == self.world_size - 1:
                 self._accepted = arrived
                 return
@@ -498,7 +608,6 @@ class Barrier:
                     "or never started, or the world size is wrong (compare devices x nodes "
                     "with the launcher's task count)."
                 )
-                self.release(error)
                 raise error
             if progress.due():
                 log.info(
@@ -517,6 +626,7 @@ class Barrier:
         accept late ranks after :meth:`open` and clean up."""
         if self._session is None:
             raise ConfigurationError(f"{self._where()}: release() before gather()")
+        self._stop_heartbeat()
         outcome: dict[str, Any] = {"ok": error is None, "payload": payload or {}}
         if error is not None:
             outcome["error_type"], outcome["error"] = _describe(error)
@@ -584,10 +694,7 @@ class Barrier:
         except Exception as exc:  # a store gone with its agent, a directory removed: nothing left to do
             log.debug("%s: background acceptance/clean-up stopped: %s", self._where(), exc)
         finally:
-            try:
-                _threads.remove(threading.current_thread())
-            except ValueError:
-                pass
+            _forget_this_thread()
 
     def run(self, work: Callable[[], T]) -> T | None:
         """Rank 0 runs ``work`` after every rank arrived; the others wait for it to finish."""

@@ -21,6 +21,7 @@ implements them with what its medium makes atomic:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from nemo_safe.atomic_files import publish, read_if_exists, unlink_if_exists
+from nemo_safe.atomic_files import listdir_if_exists, publish, read_if_exists, unlink_if_exists
 from nemo_safe.errors import NemoSafeError, UnsafeBarrierPath
 
 BARRIER_DIRNAME = ".nemo_safe"
@@ -207,10 +208,14 @@ class FileChannel(Channel):
         try:
             try:
                 fd = os.open(STATE_NAME, _OPEN_FILE, dir_fd=dir_fd)
+                with os.fdopen(fd, "rb") as f:
+                    raw = f.read()
             except FileNotFoundError:
                 return None
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read()
+            except OSError as exc:
+                if exc.errno != errno.ESTALE:
+                    raise
+                return None  # rank 0 replaced it between our open and read (NFS): read again next poll
         finally:
             os.close(dir_fd)
         return _loads(raw)
@@ -241,11 +246,8 @@ class FileChannel(Channel):
         unlink_if_exists(os.path.join(self.path, arrival.name))
 
     def arrivals(self, session: str) -> list[Arrival]:
-        try:
-            with os.scandir(self.path) as entries:
-                parsed = [Arrival.parse(e.name) for e in entries]
-        except FileNotFoundError:
-            return []
+        names = listdir_if_exists(self.path) or []
+        parsed = [Arrival.parse(name) for name in names]
         return [a for a in parsed if a is not None and a.session == session]
 
     def describe(self, arrival: Arrival) -> str:
@@ -259,10 +261,7 @@ class FileChannel(Channel):
         publish(self.path, f"{TAKEN_PREFIX}{session}.{rank}.{nonce}", b"")
 
     def taken_ranks(self, session: str) -> set[int]:
-        try:
-            names = os.listdir(self.path)
-        except FileNotFoundError:
-            return set()
+        names = listdir_if_exists(self.path) or []
         parts = (n.split(".") for n in names if n.startswith(f"{TAKEN_PREFIX}{session}."))
         return {int(p[2]) for p in parts if len(p) == 4 and p[2].isdigit()}
 

@@ -13,12 +13,19 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from nemo_safe import __version__, cluster_identity, patching, selftest
+from nemo_safe import __version__, cluster_identity, patching, platform_support, selftest
 from nemo_safe.errors import NemoSafeError
 from nemo_safe.mounts import filesystem_type
 
-#: Distributions whose versions doctor reports (read from metadata: nothing heavy is imported).
-WATCHED_DISTRIBUTIONS = ("nemo_toolkit", "torch", "torchvision", "lightning", "pytorch-lightning")
+#: Distributions whose versions doctor reports (from their metadata), with the module each provides:
+#: when doctor's imports brought that module in, its ``__version__`` is checked against the metadata.
+WATCHED_DISTRIBUTIONS = {
+    "nemo_toolkit": "nemo",
+    "torch": "torch",
+    "torchvision": "torchvision",
+    "lightning": "lightning",
+    "pytorch-lightning": "pytorch_lightning",
+}
 #: The download race: the largest file takes this long through the throttled mirror, and rank i starts
 #: i x DEMO_SKEW s late (between half and all of it, upstream breaks by construction).
 DEMO_DOWNLOAD_SECONDS = 2.0
@@ -73,32 +80,53 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _library_version(dist: str, module_name: str) -> str:
+    """The installed version, and the imported module's own when the two disagree (a stale
+    dist-info, or a source tree on ``PYTHONPATH`` shadowing the installed package)."""
+    try:
+        version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        version = "not installed"
+    module = sys.modules.get(module_name)
+    imported = getattr(module, "__version__", None)
+    if isinstance(imported, str) and imported.split("+")[0] != version.split("+")[0]:
+        where = os.path.dirname(getattr(module, "__file__", None) or "?")
+        version += f" (but the {module_name} imported here is {imported}, from {where})"
+    return version
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    # Import every patched module first (through the import hook, which applies its patches),
+    # so that each line below describes the modules as this process really has them.
+    import_errors: dict[str, str] = {}
+    for patch in patching.registered():
+        if patch.module in import_errors or patch.module in sys.modules:
+            continue
+        try:
+            importlib.import_module(patch.module)
+        except Exception as exc:  # an absent library, or one that fails to import here
+            import_errors[patch.module] = f"{type(exc).__name__}: {exc}"
     print(f"nemo_safe {__version__}")
     print("libraries (installed distributions):")
-    for dist in WATCHED_DISTRIBUTIONS:
-        try:
-            version = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            version = "not installed"
-        print(f"  {dist:<20} {version}")
+    for dist, module_name in WATCHED_DISTRIBUTIONS.items():
+        print(f"  {dist:<20} {_library_version(dist, module_name)}")
     print("patches:")
-    state = (
-        "disabled by NEMO_SAFE_DISABLE"
-        if patching.disabled_by_env()
-        else ("enabled" if patching.is_enabled() else "not enabled")
-    )
+    if patching.is_enabled():
+        state = "enabled"
+    elif patching.disabled_by_env():
+        state = "disabled by NEMO_SAFE_DISABLE"
+    elif not platform_support.supported():
+        state = f"off: this platform has no {' and no '.join(platform_support.missing())} (libraries run as upstream)"
+    else:
+        state = "not enabled"
     print(f"  patching           {state}")
     for patch in patching.registered():
-        try:
-            module = importlib.import_module(patch.module)  # applies the patch through the import hook
-        except Exception as exc:  # an absent library, or one that fails to import here
-            reason = f"{type(exc).__name__}: {exc}"
+        if patch.module in import_errors:
+            reason = import_errors[patch.module]
             print(f"  {patch.name:<26} not applicable: {patch.module} cannot be imported ({reason})")
             continue
-        active = set(patching.active())
-        case = patch.describe(module) if patch.describe else ""
-        print(f"  {patch.name:<26} {'ACTIVE' if patch.name in active else 'inactive'}: {case}")
+        in_place, text = patching.status(patch)
+        print(f"  {patch.name:<26} {'ACTIVE' if in_place else 'inactive'}: {text}")
     print("environment:")
     try:
         ident = cluster_identity.detect()

@@ -1,11 +1,19 @@
 """Lazy, reversible patches of third-party modules, whatever the import order.
 
 A :class:`Patch` names the module it changes and a function that changes it and
-returns an undo. :func:`enable` applies every registered patch to modules
-already imported and installs a ``sys.meta_path`` finder that applies the rest
-right after their module finishes executing, so ``import nemo_safe`` never
-imports torch, lightning, nemo or torchvision itself. :func:`disable` undoes
-everything. ``NEMO_SAFE_DISABLE=1`` keeps :func:`enable` from doing anything.
+returns the :class:`Replacements` it made. :func:`enable` applies every
+registered patch to modules already imported and installs a ``sys.meta_path``
+finder that applies the rest right after their module finishes executing, so
+``import nemo_safe`` never imports torch, lightning, nemo or torchvision itself.
+:func:`disable` undoes everything. ``NEMO_SAFE_DISABLE=1`` keeps :func:`enable`
+from doing anything.
+
+A patch counts as applied only while its replacements are still in place in the
+module object ``sys.modules`` holds: ``importlib.reload`` re-executes the module
+and overwrites them. A reload goes through the finder (it looks the spec up in
+``sys.meta_path``, also for a module imported before ``import nemo_safe``), which
+re-applies the patch; any other re-execution is seen by :func:`active` and
+repaired by :func:`enable`.
 """
 
 from __future__ import annotations
@@ -25,58 +33,133 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "NEMO_SAFE_DISABLE"
 
+#: Kept for older imports: what undoes a patch is now its :class:`Replacements`.
 Undo = Callable[[], None]
 
 
 @dataclass(frozen=True)
 class Patch:
-    """``apply(module)`` changes ``module`` in place and returns a function undoing it,
-    or None when it decided not to patch (for example an unknown upstream version).
-    ``describe(module)`` says which case applies, for ``nemo-safe doctor``."""
+    """``apply(module)`` changes ``module`` in place and returns the :class:`Replacements` it
+    made, or None when it decided not to patch (for example an unknown upstream version).
+    ``describe(module)`` says, for ``nemo-safe doctor``, what the unpatched module is to the
+    patch (the release it recognises, or why it declines); it is asked only while the patch
+    is not in place, because what the patch does is recorded when it is applied
+    (:attr:`Replacements.description`)."""
 
     module: str
     name: str
-    apply: Callable[[ModuleType], Undo | None]
+    apply: Callable[[ModuleType], Replacements | None]
     describe: Callable[[ModuleType], str] | None = None
 
 
 _CURRENT = object()
+_MISSING = object()
+
+
+@dataclass
+class _Slot:
+    """One attribute or mapping item a patch set (or only expects to stay the same object)."""
+
+    read: Callable[[], object]
+    write: Callable[[object], None] | None  # None: only checked, never restored
+    value: object
+    previous: object
+
+    def holds_value(self) -> bool:
+        return self.read() is self.value
 
 
 class Replacements:
-    """The attribute and mapping-item replacements one patch makes, so that its undo is one call.
+    """The attribute and mapping-item replacements one patch makes: undone in one call, and
+    checked in one call (:meth:`intact`), so that nothing reports a patch a reload has undone.
 
-    ``original`` is what undo restores when it differs from the current value (a class
-    attribute inherited or a module that already bound the patched function).
+    ``description`` says what they do, recorded when they are made from the unpatched module;
+    ``nemo-safe doctor`` shows it while they are in place.
     """
 
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+    def __init__(self, description: str = "") -> None:
+        self.description = description
+        self._slots: list[_Slot] = []
+        self._undone = False
 
     def set(self, obj: object, name: str, value: object, original: object = _CURRENT) -> None:
+        """``obj.name = value``; undo restores ``original`` (default: the current value), which
+        differs for a class attribute inherited or a module that already bound the patched function."""
         previous = getattr(obj, name) if original is _CURRENT else original
         setattr(obj, name, value)
-        self._undo.append(lambda: setattr(obj, name, previous))
+        self._slots.append(
+            _Slot(lambda: getattr(obj, name, _MISSING), lambda v: setattr(obj, name, v), value, previous)
+        )
 
     def set_item(self, mapping: dict[Any, Any], key: object, value: object) -> None:
         previous = mapping[key]
         mapping[key] = value
-        self._undo.append(lambda: mapping.__setitem__(key, previous))
+        self._slots.append(
+            _Slot(lambda: mapping.get(key, _MISSING), lambda v: mapping.__setitem__(key, v), value, previous)
+        )
+
+    def expect(self, obj: object, name: str) -> None:
+        """Count ``obj.name`` staying the object it is now as part of being in place: the class or
+        table the other replacements are made in, which a reload of ``obj`` replaces by a new one."""
+        current = getattr(obj, name)
+        self._slots.append(_Slot(lambda: getattr(obj, name, _MISSING), None, current, None))
+
+    def intact(self) -> bool:
+        """Whether every replacement is still in place (and the objects they were made in are current)."""
+        return not self._undone and all(slot.holds_value() for slot in self._slots)
 
     def undo(self) -> None:
-        """Restore everything, newest first."""
-        while self._undo:
-            self._undo.pop()()
+        """Restore the originals, newest first, wherever a replacement is still in place. A value set
+        since (a reload re-executing the module, someone else's patch) is newer than the original
+        and is left alone."""
+        self._undone = True
+        while self._slots:
+            slot = self._slots.pop()
+            if slot.write is not None and slot.holds_value():
+                slot.write(slot.previous)
+
+
+@dataclass
+class _Applied:
+    """A patch applied to ``module``, the object ``sys.modules[name]`` held then."""
+
+    name: str
+    module: ModuleType
+    replacements: Replacements
+
+    def in_place(self) -> bool:
+        return sys.modules.get(self.name) is self.module and self.replacements.intact()
 
 
 _lock = threading.RLock()
 _registry: list[Patch] = []
-_applied: dict[str, Undo] = {}  # patch name -> undo
+_applied: dict[str, _Applied] = {}  # patch name -> what it replaced, in which module object
+_failed: dict[str, str] = {}  # patch name -> the error its apply raised
+_retired: list[Replacements] = []  # replacements on objects of an earlier execution of a module (a reload)
 _finder: _PostImportFinder | None = None
 
 
+_DISABLE_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, "0": False, "false": False,
+                   "no": False, "off": False}  # fmt: skip
+_warned_disable_value: list[str] = []
+
+
 def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    """``NEMO_SAFE_DISABLE``: 1/true/yes/on disable, 0/false/no/off/empty do not. Any other
+    value disables too (upstream's behaviour is the safe reading of an unclear wish), with one warning."""
+    raw = os.environ.get(DISABLE_ENV, "")
+    value = _DISABLE_VALUES.get(raw.strip().lower())
+    if value is None:
+        if raw not in _warned_disable_value:
+            _warned_disable_value.append(raw)
+            log.warning(
+                "nemo_safe: %s=%r is neither 1/true/yes/on nor 0/false/no/off; taking it as set: no library "
+                "is patched",
+                DISABLE_ENV,
+                raw,
+            )
+        return True
+    return value
 
 
 def register(patch: Patch) -> None:
@@ -95,25 +178,63 @@ def registered() -> list[Patch]:
 
 
 def active() -> list[str]:
-    """Names of the patches currently applied."""
+    """Names of the patches whose replacements are in place now."""
     with _lock:
-        return list(_applied)
+        return [name for name, applied in _applied.items() if applied.in_place()]
 
 
 def is_enabled() -> bool:
     return _finder is not None
 
 
+def status(patch: Patch) -> tuple[bool, str]:
+    """Whether ``patch`` is in place now, and what it does or why it is not, for ``nemo-safe doctor``."""
+    with _lock:
+        applied = _applied.get(patch.name)
+        if applied is not None and applied.in_place():
+            return True, applied.replacements.description
+        module = sys.modules.get(patch.module)
+        if applied is not None:
+            return False, (
+                "no longer in place: what it replaced changed after it was applied (a re-execution of "
+                f"{patch.module} or of a module it depends on, or a reassignment) without nemo_safe's import "
+                "hook; nemo_safe.patch() applies it again"
+            )
+        if _finder is None:
+            cause = f"{DISABLE_ENV} is set" if disabled_by_env() else "patching is not enabled in this process"
+        elif patch.name in _failed:
+            cause = f"applying it failed ({_failed[patch.name]})"
+        else:
+            cause = ""
+        if module is None:
+            what = f"{patch.module} is not imported"
+        else:
+            what = patch.describe(module) if patch.describe is not None else ""
+        return False, "; ".join(part for part in (cause, what) if part)
+
+
 def _apply(patch: Patch, module: ModuleType) -> None:
-    if patch.name in _applied:
-        return
+    applied = _applied.get(patch.name)
+    if applied is not None:
+        if applied.in_place():
+            return
+        # The module was re-executed (a reload) or replaced since: the patch applies afresh to what it
+        # now defines. The old replacements stay until disable(): objects of the old execution (a class
+        # that `from torchvision.datasets import MNIST` still names) keep being patched.
+        del _applied[patch.name]
+        _retired.append(applied.replacements)
+        log.debug("nemo_safe: %s changed since %s was applied; applying it again", patch.module, patch.name)
     try:
-        undo = patch.apply(module)
-    except Exception:  # a broken patch must never break the user's import
+        replacements = patch.apply(module)
+        if replacements is not None and not isinstance(replacements, Replacements):
+            raise TypeError(f"apply returned {type(replacements).__name__}, not Replacements or None")
+    except Exception as exc:  # a broken patch must never break the user's import
+        _failed[patch.name] = f"{type(exc).__name__}: {exc}"
         log.exception("nemo_safe: patch %s could not be applied; leaving %s unchanged", patch.name, patch.module)
         return
-    if undo is not None:
-        _applied[patch.name] = undo
+    _failed.pop(patch.name, None)
+    if replacements is not None:
+        _applied[patch.name] = _Applied(patch.module, module, replacements)
         log.debug("nemo_safe: applied %s to %s", patch.name, patch.module)
 
 
@@ -121,9 +242,19 @@ def _on_import(module: ModuleType) -> None:
     with _lock:
         if _finder is None:
             return
+        reloaded = False
         for patch in _registry:
             if patch.module == module.__name__:
+                reloaded = reloaded or patch.name in _applied
                 _apply(patch, module)
+        if not reloaded:
+            return
+        # A reload of this module can leave patches made elsewhere stale, e.g. modules that bound one of
+        # its functions by name: those are applied again, now that this module is patched afresh.
+        for patch in _registry:
+            applied, target = _applied.get(patch.name), sys.modules.get(patch.module)
+            if applied is not None and target is not None and not applied.in_place():
+                _apply(patch, target)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -144,7 +275,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds watched modules through the other finders and wraps their loaders."""
+    """Finds watched modules through the other finders and wraps their loaders (for
+    ``importlib.reload`` too: it finds the spec again through ``sys.meta_path``)."""
 
     def __init__(self) -> None:
         self._busy = threading.local()
@@ -177,7 +309,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 def enable() -> bool:
-    """Apply all patches now and on future imports. Idempotent. False when disabled by env."""
+    """Apply all patches now and on future imports; re-apply those no longer in place.
+    Idempotent. False when disabled by env."""
     global _finder
     if disabled_by_env():
         log.info("nemo_safe: %s is set; no library is patched", DISABLE_ENV)
@@ -204,5 +337,7 @@ def disable() -> None:
                 pass
             _finder = None
         for name in reversed(list(_applied)):
-            undo = _applied.pop(name)
-            undo()
+            _applied.pop(name).replacements.undo()
+        while _retired:
+            _retired.pop().undo()
+        _failed.clear()

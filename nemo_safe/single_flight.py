@@ -5,7 +5,10 @@ every rank need build it, a node-local root sees only its node's ranks, and
 ``mp.spawn`` before ``init_process_group`` knows no ranks at all). So the leader
 is whoever first creates ``<dir>/.nemo_safe/<name>.<generation>``: a ``link(2)``
 of a unique temporary file, atomic on local disks, NFS, Lustre and GPFS, with
-the link count checked against NFS's spurious EEXIST. No file locks.
+the link count checked against NFS's spurious EEXIST. Where the filesystem has
+no hard links (gcsfuse, s3fs, blobfuse, FAT, some NFS exports), an exclusive
+create of the same name (``O_EXCL``: atomic and retransmit-safe on NFSv3+,
+whose exclusive create carries a verifier) elects the leader instead. No file locks.
 
 * The leader re-checks ``done()`` after winning (someone may just have
   finished), runs the job, and rewrites its lock file every second with a
@@ -17,13 +20,25 @@ the link count checked against NFS's spurious EEXIST. No file locks.
   that only finds an old failure leads a new attempt instead.
 * A leader killed with ``kill -9`` is stale when its beat stops for
   ``NEMO_SAFE_STALE_AFTER`` seconds (default 30), or after a few missed beats
-  when it ran on this host and its pid is gone. Then the next generation's lock
-  is created, again by exactly one process; locks are never stolen by deleting.
+  when it ran on this host, in this pid namespace, and its pid is gone. Silence
+  is counted only across this waiter's own successful, timely reads: its own
+  stall or failed reads (an NFS failover) are not the leader's silence. Then the
+  next generation's lock is created, again by exactly one process; locks are
+  never stolen by deleting.
+* A leader that was only slow (stopped, swapped out) and finds a newer
+  generation is *deposed*: :func:`check_still_leading`, called before anything
+  is published (the torchvision patches do), raises :class:`LeaderDeposed`; its
+  job's error is then not published, and it waits for the new leader instead.
+* Waiters time out on silence, not on work: every new beat restarts their
+  timeout, so a slow download is never reported as a hung one.
+* Files in the lock folder that nemo_safe cannot have written (other users can
+  write shared folders) are ignored with a warning, never trusted.
 * A process known as a preferred leader (rank 0) gets a short head start.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -33,9 +48,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nemo_safe.atomic_files import pid_alive, publish, read_if_exists, temp_name, unlink_if_exists
-from nemo_safe.errors import ConfigurationError, LeaderFailed, WaitTimeout
-from nemo_safe.waiting import Backoff, Progress, default_timeout, env_seconds
+from nemo_safe.atomic_files import (
+    listdir_if_exists,
+    pid_alive,
+    pid_namespace,
+    publish,
+    read_if_exists,
+    temp_name,
+    unlink_if_exists,
+)
+from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, WaitTimeout
+from nemo_safe.waiting import Backoff, Progress, default_timeout, env_seconds, positive_seconds
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +71,71 @@ DEAD_PID_BEATS = 3
 #: Head start of the preferred leader when no lock exists yet.
 PREFERRED_GRACE = 2.0
 POLL_CAP = 0.25
+#: A waiter's own pause between two successful reads longer than this (or than a third of the
+#: stale limit): its stall, or reads that failed, restart its count of the leader's silence.
+OWN_STALL = 5.0
+#: What ``link(2)`` answers on filesystems without hard links.
+NO_LINK_ERRNOS = frozenset(
+    e for e in (errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None), errno.EXDEV) if e
+)
+STATES = ("running", "failed", "done")
+#: Reading a lock-folder entry failed because it is no lock nemo_safe wrote (not a failing server).
+_NOT_A_LOCK_ERRNOS = frozenset((errno.EISDIR, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO))
+#: Field types of a lock file; anything else was not written by nemo_safe.
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"beat": int, "host": str, "pid": int, "nonce": str}
+_UNREADABLE: dict[str, Any] = {"state": "unreadable"}
+
+_leading = threading.local()
+#: Lock folders whose filesystem refused a hard link (asked once per process and folder).
+_NO_LINKS: dict[str, bool] = {}
+
+
+def check_still_leading(look: bool = True) -> None:
+    """Raise :class:`LeaderDeposed` when the calling thread leads a flight that another
+    process has taken over (this one was stalled past the stale limit). Call it before
+    publishing or deleting anything inside a job; outside a job it does nothing.
+    ``look=False`` only asks what the heartbeat last saw (cheap enough for every chunk)."""
+    flight: SingleFlight | None = getattr(_leading, "flight", None)
+    if flight is not None:
+        flight._check_not_deposed(look)
+
+
+def _validated(info: Any) -> dict[str, Any] | None:
+    """A lock file's content as nemo_safe writes it, or None."""
+    if not isinstance(info, dict) or info.get("state") not in STATES:
+        return None
+    for key, kind in _FIELD_TYPES.items():
+        value = info.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None
+    return info
 
 
 class _Watch:
-    """What a waiter has seen of one generation's leader."""
+    """What a waiter has seen of one generation's leader. Silence is counted between this
+    waiter's own successful reads only, so its own stalls never look like the leader's."""
 
-    def __init__(self, generation: int) -> None:
+    def __init__(self, generation: int, stale_after: float) -> None:
         self.generation = generation
-        self.beat: int | None = None
+        self.own_stall = min(OWN_STALL, stale_after / 3)
+        self.beat: Any = None
         self.changed_at = time.monotonic()
+        self.read_at = self.changed_at
         self.saw_running = False
 
-    def observe(self, info: dict[str, Any]) -> None:
+    def observe(self, info: dict[str, Any]) -> bool:
+        """Record one successful read; True when the leader showed life since the last one."""
+        now = time.monotonic()
+        if now - self.read_at > self.own_stall:
+            self.changed_at = now  # we were away (stalled, or our reads failed): we saw no silence
+        self.read_at = now
         if info.get("state") == "running":
             self.saw_running = True
         if info.get("beat") != self.beat:
             self.beat = info.get("beat")
-            self.changed_at = time.monotonic()
+            self.changed_at = now
+            return True
+        return False
 
     def frozen_for(self) -> float:
         return time.monotonic() - self.changed_at
@@ -88,12 +159,20 @@ class SingleFlight:
         self.name = name
         self.what = what or f"{name} in {self.directory}"
         self.preferred = preferred
-        self.timeout = default_timeout() if timeout is None else timeout
-        self.stale_after = env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER) if stale_after is None else stale_after
+        self.timeout = default_timeout() if timeout is None else positive_seconds(f"{self.what}: timeout", timeout)
+        self.stale_after = (
+            env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER)
+            if stale_after is None
+            else positive_seconds(f"{self.what}: stale_after", stale_after)
+        )
         self.host = socket.gethostname()
+        self.pidns = pid_namespace()  # None where unknown: a pid is then never judged
         self.nonce = os.urandom(8).hex()
         #: True when this process ran the job (tests and the demo report it).
         self.led = False
+        self._generation: int | None = None  # the generation this process leads
+        self._deposed = threading.Event()
+        self._warned_foreign: set[str] = set()
 
     # -- lock files ---------------------------------------------------------------
 
@@ -101,24 +180,53 @@ class SingleFlight:
         return f"{self.name}.{generation}"
 
     def _generations(self) -> list[int]:
-        try:
-            names = os.listdir(self.lock_dir)
-        except FileNotFoundError:
-            return []
+        names = listdir_if_exists(self.lock_dir) or []
         prefix = self.name + "."
         return sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit())
 
     def _read(self, generation: int) -> dict[str, Any] | None:
-        raw = read_if_exists(os.path.join(self.lock_dir, self._lock_name(generation)))
+        """The lock's content; None when it is gone; ``{"state": "unreadable"}`` while it is being
+        created (exclusive create without links) or when it is not nemo_safe's (ignored, with a
+        warning); raises OSError when this process could not read it (its own problem, not the leader's)."""
+        path = os.path.join(self.lock_dir, self._lock_name(generation))
+        try:
+            raw = read_if_exists(path)
+        except OSError as exc:
+            if exc.errno not in _NOT_A_LOCK_ERRNOS:
+                raise
+            raw = f"<{exc.strerror}>".encode()  # a directory, a symlink, another user's unreadable file
         if raw is None:
             return None
         try:
-            return json.loads(raw)
+            info = _validated(json.loads(raw))
         except ValueError:
-            return {"state": "unreadable"}
+            info = None
+            if raw == b"" or raw.startswith(b"{"):
+                return dict(_UNREADABLE)  # empty or half-written by an exclusive create
+        if info is None:
+            if path not in self._warned_foreign:
+                self._warned_foreign.add(path)
+                log.warning(
+                    "nemo_safe: %s: %s is not a lock nemo_safe wrote (content %r); ignoring it. Another user or "
+                    "program writes into %s: remove it if this repeats.",
+                    self.what,
+                    path,
+                    raw[:80],
+                    self.lock_dir,
+                )
+            return {"state": "foreign"}
+        return info
 
     def _info(self, state: str, beat: int, **extra: Any) -> bytes:
-        body = {"state": state, "beat": beat, "host": self.host, "pid": os.getpid(), "nonce": self.nonce, **extra}
+        body = {
+            "state": state,
+            "beat": beat,
+            "host": self.host,
+            "pid": os.getpid(),
+            "pidns": self.pidns,
+            "nonce": self.nonce,
+            **extra,
+        }
         return json.dumps(body).encode()
 
     def _make_lock_dir(self) -> None:
@@ -136,40 +244,101 @@ class SingleFlight:
         final = os.path.join(self.lock_dir, self._lock_name(generation))
         for _ in range(20):
             self._make_lock_dir()
-            tmp = os.path.join(self.lock_dir, temp_name(self._lock_name(generation)))
             try:
-                with open(tmp, "xb") as fh:
-                    fh.write(self._info("running", 0))
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    # NFS may report EEXIST for a link whose first reply was lost: the link count tells.
-                    return os.stat(tmp).st_nlink == 2
-                return True
+                won = self._link_lock(final) if not _NO_LINKS.get(self.lock_dir) else None
+                if won is None:
+                    won = self._create_lock(final)
+                return won
             except FileNotFoundError:
                 continue  # the lock directory was removed under us by a finishing leader: recreate it
-            finally:
-                unlink_if_exists(tmp)
         raise ConfigurationError(f"{self.what}: {self.lock_dir} keeps disappearing; is something deleting it?")
 
+    def _link_lock(self, final: str) -> bool | None:
+        """Publish the lock complete by ``link(2)``; None when this filesystem has no hard links."""
+        tmp = os.path.join(self.lock_dir, temp_name(os.path.basename(final)))
+        try:
+            with open(tmp, "xb") as fh:
+                fh.write(self._info("running", 0))
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                # NFS may report EEXIST for a link whose first reply was lost: the link count tells.
+                return os.stat(tmp).st_nlink == 2
+            except OSError as exc:
+                if exc.errno not in NO_LINK_ERRNOS:
+                    raise
+                _NO_LINKS[self.lock_dir] = True
+                log.info("nemo_safe: %s: no hard links in %s (%s); electing by exclusive create", self.what,
+                         self.lock_dir, exc.strerror)  # fmt: skip
+                return None
+            return True
+        finally:
+            unlink_if_exists(tmp)
+
+    def _create_lock(self, final: str) -> bool:
+        """Elect by exclusive create where links are missing; readers that meet the file before
+        its content see it unreadable, which only a long silence turns into a takeover."""
+        try:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError:
+            return False
+        try:
+            data = self._info("running", 0)
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        return True
+
     def _is_stale(self, info: dict[str, Any], watch: _Watch) -> bool:
+        if info.get("state") == "foreign":
+            return True  # not a leader at all
         if info.get("state") not in ("running", "unreadable"):
             return False
         frozen = watch.frozen_for()
         if frozen >= self.stale_after:
             return True
-        if info.get("host") != self.host or frozen < DEAD_PID_BEATS * HEARTBEAT:
+        same_process_space = (
+            self.pidns is not None and info.get("host") == self.host and info.get("pidns") == self.pidns
+        )
+        if not same_process_space or frozen < DEAD_PID_BEATS * HEARTBEAT:
             return False
-        try:
-            pid = int(info.get("pid", 0))
-        except (TypeError, ValueError):
-            return False
-        return not pid_alive(pid)
+        pid = info.get("pid")
+        return isinstance(pid, int) and not pid_alive(pid)
 
     # -- the leader ----------------------------------------------------------------
 
-    def _lead(self, generation: int, job: Callable[[], None], done: Callable[[], bool]) -> None:
+    def _still_holds(self, generation: int) -> bool:
+        """Whether this process still leads ``generation``: no newer one exists and the lock still
+        carries its nonce (a new leader that finished has removed it; a later flight may reuse the name).
+        Unknown (a read failing on our side) counts as yes."""
+        try:
+            if any(g > generation for g in self._generations()):
+                return False
+            raw = read_if_exists(os.path.join(self.lock_dir, self._lock_name(generation)))
+        except OSError:
+            return True
+        try:
+            info = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return False
+        return isinstance(info, dict) and info.get("nonce") == self.nonce
+
+    def _check_not_deposed(self, look: bool = True) -> None:
+        if self._generation is None:
+            return
+        if self._deposed.is_set() or (look and not self._still_holds(self._generation)):
+            self._deposed.set()
+            raise LeaderDeposed(
+                f"{self.what}: this process (pid {os.getpid()}) was taken over as the one doing it "
+                f"(generation {self._generation}) while it was stalled; it stops and waits for the new one"
+            )
+
+    def _lead(self, generation: int, job: Callable[[], None], done: Callable[[], bool]) -> bool:
+        """Run the job as this generation's leader. False when deposed: the caller waits again."""
         self.led = True
+        self._generation = generation
+        self._deposed.clear()
         name = self._lock_name(generation)
         stop = threading.Event()
         beat = [0]
@@ -178,19 +347,28 @@ class SingleFlight:
             while not stop.wait(HEARTBEAT):
                 beat[0] += 1
                 try:
+                    if not self._still_holds(generation):
+                        self._deposed.set()  # stalled past the limit and replaced: stop beating
+                        return
                     publish(self.lock_dir, name, self._info("running", beat[0]))
                 except OSError as exc:
                     log.warning("nemo_safe: %s: heartbeat failed: %s", self.what, exc)
 
         thread = threading.Thread(target=heartbeat, daemon=True, name=f"nemo_safe-heartbeat-{self.name}")
         thread.start()
+        _leading.flight = self
         try:
             if not done():
                 log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
                 job()
+            self._check_not_deposed()
         except Exception as exc:
             stop.set()
             thread.join()
+            if self._was_deposed(generation):
+                log.warning("nemo_safe: %s: taken over while stalled (%s: %s); waiting for the new leader",
+                            self.what, type(exc).__name__, exc)  # fmt: skip
+                return False
             try:
                 failed = self._info("failed", beat[0] + 1, error_type=type(exc).__name__, error=str(exc))
                 publish(self.lock_dir, name, failed)
@@ -203,16 +381,35 @@ class SingleFlight:
             thread.join()
             unlink_if_exists(os.path.join(self.lock_dir, name))
             raise
+        finally:
+            _leading.flight = None
+            self._generation = None
         stop.set()
         thread.join()
-        publish(self.lock_dir, name, self._info("done", beat[0] + 1))
-        for g in self._generations():
-            if g <= generation:
-                unlink_if_exists(os.path.join(self.lock_dir, self._lock_name(g)))
         try:
+            if not self._still_holds(generation):
+                raise FileNotFoundError(errno.ENOENT, "the lock is another process's now", name)
+            publish(self.lock_dir, name, self._info("done", beat[0] + 1))
+        except OSError as exc:
+            if not self._was_deposed(generation):
+                raise
+            log.warning("nemo_safe: %s: taken over while stalled (%s); waiting for the new leader", self.what, exc)
+            return False
+        self._remove_locks(generation)
+        return True
+
+    def _remove_locks(self, generation: int) -> None:
+        """After success: this generation's lock and older ones, then the folder if empty."""
+        try:
+            for g in self._generations():
+                if g <= generation:
+                    unlink_if_exists(os.path.join(self.lock_dir, self._lock_name(g)))
             os.rmdir(self.lock_dir)
         except OSError:
-            pass  # another job's lock, or a process about to lead: not ours to remove
+            pass  # another job's lock, a process about to lead, or a foreign entry: not ours to remove
+
+    def _was_deposed(self, generation: int) -> bool:
+        return self._deposed.is_set() or not self._still_holds(generation)
 
     # -- everyone ------------------------------------------------------------------
 
@@ -226,22 +423,35 @@ class SingleFlight:
         while True:
             if done():
                 return
-            generations = self._generations()
+            try:
+                generations = self._generations()
+            except OSError as exc:  # listing failed on our side (a failover): not a verdict on anyone
+                log.debug("nemo_safe: %s: listing the lock folder failed: %s", self.what, exc)
+                if time.monotonic() > deadline:
+                    message = f"{self.what}: could not list {self.lock_dir} for {self.timeout:.0f} s: {exc}"
+                    raise WaitTimeout(message) from exc
+                backoff.sleep(deadline)
+                continue
             if not generations:
                 if grace_until is not None and time.monotonic() < grace_until:
                     backoff.sleep(grace_until)
                     continue
-                if self._try_lead(0):
-                    return self._lead(0, job, done)
+                if self._try_lead(0) and self._lead(0, job, done):
+                    return
                 continue
             current = generations[-1]
-            info = self._read(current)
+            try:
+                info = self._read(current)
+            except OSError as exc:  # our own read failed (an NFS failover): not the leader's silence
+                log.debug("nemo_safe: %s: reading the lock failed: %s", self.what, exc)
+                info = {}
             if info is None:
                 backoff.sleep(deadline)  # removed by a finishing leader just now
                 continue
             if watch is None or watch.generation != current:
-                watch = _Watch(current)
-            watch.observe(info)
+                watch = _Watch(current, self.stale_after)
+            if info and watch.observe(info):
+                deadline = max(deadline, time.monotonic() + self.timeout)  # the timeout is for silence
             state = info.get("state")
             if state == "failed" and watch.saw_running:
                 raise LeaderFailed(
@@ -250,10 +460,10 @@ class SingleFlight:
                     str(info.get("error_type", "")),
                     str(info.get("error", "")),
                 )
-            if state == "failed" or state == "done" or self._is_stale(info, watch):
+            if state in ("failed", "done") or (info and self._is_stale(info, watch)):
                 # An earlier attempt's failure, a leader whose job did not cover this process,
-                # or a dead leader: one process starts the next generation.
-                if state not in ("failed", "done"):
+                # a dead leader or a file that is no lock: one process starts the next generation.
+                if state not in ("failed", "done", "foreign"):
                     log.warning(
                         "nemo_safe: %s: the process doing it (host %s, pid %s) stopped answering for %.0f s; "
                         "taking over",
@@ -264,14 +474,15 @@ class SingleFlight:
                     )
                 if state == "done" and done():
                     return
-                if self._try_lead(current + 1):
-                    return self._lead(current + 1, job, done)
+                if self._try_lead(current + 1) and self._lead(current + 1, job, done):
+                    return
                 continue
             if time.monotonic() > deadline:
                 raise WaitTimeout(
-                    f"{self.what}: waited {self.timeout:.0f} s for the process doing it (host {info.get('host')}, "
-                    f"pid {info.get('pid')}), which is still alive. Raise NEMO_SAFE_BARRIER_TIMEOUT for slow "
-                    f"downloads, or check that process; its lock is {self.lock_dir}."
+                    f"{self.what}: waited {progress.elapsed:.0f} s for the process doing it (host "
+                    f"{info.get('host')}, pid {info.get('pid')}), and for the last {self.timeout:.0f} s it "
+                    f"showed no sign of progress (its lock {self.lock_dir} did not change) although it was not "
+                    "found dead. Check that process; raise NEMO_SAFE_BARRIER_TIMEOUT if it is merely slow."
                 )
             if progress.due():
                 log.info(

@@ -7,6 +7,7 @@ gentle on a shared metadata server when it is not.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -19,16 +20,43 @@ POLL_MIN = 0.002
 PROGRESS_EVERY = 5.0
 
 
+def positive_seconds(what: str, value: object) -> float:
+    """``value`` as a finite, positive number of seconds, or :class:`ConfigurationError` naming ``what``.
+
+    NaN and infinity are refused: a NaN poll cap makes every ``min``/``max`` with it NaN, so
+    the waits become zero-length sleeps (a busy loop of thousands of polls a second on the shared
+    filesystem), and a NaN or infinite timeout never expires. ``bool`` is refused too (``True`` is 1)."""
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{what} must be a positive number of seconds, got {value!r}")
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{what} must be a positive number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(f"{what} must be a finite, positive number of seconds, got {value!r}")
+    return seconds
+
+
 def env_seconds(name: str, default: float) -> float:
+    """The environment variable ``name`` as a finite, positive number of seconds; ``default`` when unset or empty.
+
+    Any other value (not a number, NaN, infinity, zero, negative) raises :class:`ConfigurationError`
+    naming the variable and its value."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigurationError(f"{name}={raw!r} must be a positive number of seconds")
+        raise ConfigurationError(
+            f"{name}={raw!r} is not a number of seconds; set a finite, positive number, or unset it "
+            f"for the default ({default:g} s)"
+        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(
+            f"{name}={raw!r} must be a finite, positive number of seconds (NaN, infinity, zero and negative "
+            f"values are refused); set one, or unset it for the default ({default:g} s)"
+        )
     return value
 
 

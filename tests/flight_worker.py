@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from nemo_safe import single_flight
 from nemo_safe.single_flight import SingleFlight
 
 
@@ -18,13 +19,20 @@ def main() -> int:
     p.add_argument("--work", type=float, default=1.0, help="seconds the job takes")
     p.add_argument("--fail", action="store_true", help="the job raises after its work")
     p.add_argument("--preferred", choices=["yes", "no", "unknown"], default="unknown")
+    p.add_argument("--fence", action="store_true", help="the job checks every 0.1 s that it still leads")
     args = p.parse_args()
     directory = Path(args.dir)
     product = directory / "product"
     preferred = {"yes": True, "no": False, "unknown": None}[args.preferred]
 
+    # Looked up, not imported, so that the same test shows what a version without the check does.
+    fence = getattr(single_flight, "check_still_leading", lambda: None) if args.fence else lambda: None
+
     def job() -> None:
-        time.sleep(args.work)
+        end = time.monotonic() + args.work
+        while time.monotonic() < end:
+            time.sleep(0.1)
+            fence()
         if args.fail:
             raise OSError(28, "No space left on device (simulated by the test job)")
         (directory / f"made-by.{os.getpid()}").write_text("x")

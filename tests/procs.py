@@ -102,3 +102,31 @@ def wait_for_files(directory: Path, names: list[str], timeout: float) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"{names} did not appear in {directory} within {timeout} s")
+
+
+FLIGHT_WORKER = str(HERE / "flight_worker.py")
+
+
+def start_flights(n: int, directory: Path, *args: str, **env: str) -> list[subprocess.Popen]:
+    """``n`` processes of tests/flight_worker.py (one SingleFlight job each) on ``directory``."""
+    return [
+        subprocess.Popen(
+            [sys.executable, FLIGHT_WORKER, "--dir", str(directory), *args],
+            env=clean_env(**env),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for _ in range(n)
+    ]
+
+
+def finish_flights(procs: list[subprocess.Popen], hang_guard: float) -> tuple[list[dict], str]:
+    """Their JSON results (each must exit 0 within ``hang_guard``) and their joined stderr."""
+    results, logs = [], ""
+    for p in procs:
+        out, err = p.communicate(timeout=hang_guard)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        logs += err
+    return results, logs

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from procs import slurm_env, start_ranks, torchrun_env, wait_for_files
+import pytest
+
+from procs import clean_env, slurm_env, start_ranks, torchrun_env, wait_for_files
 
 HANG_GUARD = 120  # generous: a rank still running after this is a hang
 
@@ -323,3 +327,53 @@ def test_frozen_accepting_state_of_a_killed_round_releases_nobody(tmp_path: Path
     second.finish(HANG_GUARD)
     assert set(second.codes.values()) == {0}, second.results
     assert all(second.results[r]["saw_marker"] for r in (1, 2)), second.results
+
+
+def test_rank0_working_longer_than_the_timeout_is_not_silence(tmp_path: Path) -> None:
+    """Rank 0 works 9 s under a 3 s timeout: alive and working, it must not be reported dead or hung;
+    the timeout counts its silence (test_rank0_killed_mid_work shows that silence still ends the wait)."""
+    ranks = start_ranks(4, _torchrun(4), ["--dir", str(tmp_path), "--timeout", "3", "--work-seconds", "9"]).finish(
+        HANG_GUARD
+    )
+    assert set(ranks.codes.values()) == {0}, ranks.results
+    assert all(ranks.results[r]["saw_marker"] for r in range(1, 4)), ranks.results
+
+
+def _attempt_key(env: dict[str, str]) -> str:
+    code = "from nemo_safe import cluster_identity as c; print(c.sanitize_component(c.detect().attempt_key))"
+    return subprocess.run([sys.executable, "-c", code], env=clean_env(**env), capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [b"[]", b'{"phase": "done", "session": "s", "accepted": [], "ok": true}', b'{"phase": 3}', b"\xff\xfe"],
+    ids=["list", "accepted-list", "phase-int", "binary"],
+)
+def test_foreign_state_record_is_ignored(tmp_path: Path, foreign: bytes) -> None:
+    """Shared folders are writable by others: a state record nemo_safe cannot have written is
+    ignored by the waiters (never an AttributeError), and rank 0's real one then releases them."""
+    run_id = secrets.token_hex(4)
+    label = f"test.{_attempt_key(torchrun_env(1, 4, run_id))}.0"
+    records = tmp_path / ".nemo_safe" / label
+    records.mkdir(parents=True)
+    (records / "state").write_bytes(foreign)
+    ranks = start_ranks(
+        4, _torchrun(4, run_id), ["--dir", str(tmp_path), "--rank0-delay", "3", "--work-seconds", "0.3"]
+    ).finish(HANG_GUARD)
+    assert set(ranks.codes.values()) == {0}, ranks.results
+    assert all(ranks.results[r]["saw_marker"] for r in range(1, 4)), ranks.results
+
+
+def test_foreign_state_record_is_named_when_rank0_never_comes(tmp_path: Path) -> None:
+    run_id = secrets.token_hex(4)
+    label = f"test.{_attempt_key(torchrun_env(1, 3, run_id))}.0"
+    records = tmp_path / ".nemo_safe" / label
+    records.mkdir(parents=True)
+    (records / "state").write_bytes(b'{"phase": "done", "accepted": "all"}')
+    ranks = start_ranks(3, _torchrun(3, run_id), ["--dir", str(tmp_path), "--timeout", "3"], ranks=[1, 2])
+    ranks.finish(HANG_GUARD)
+    for r in (1, 2):
+        res = ranks.results[r]
+        assert res["error_type"] == "BarrierTimeout" and "not one nemo_safe writes" in res["error"], res
+        assert str(records) in res["error"], res

@@ -21,11 +21,9 @@ PROGRAM = textwrap.dedent("""
     from nemo_safe import patching
 
     def apply(mod):
-        original = mod.greet
-        mod.greet = lambda: "patched"
-        def undo():
-            mod.greet = original
-        return undo
+        changes = patching.Replacements("greets patched")
+        changes.set(mod, "greet", lambda: "patched")
+        return changes
 
     patching.register(patching.Patch("pkg.target", "greet", apply))
     import pkg.target
@@ -75,6 +73,97 @@ def test_disable_env_turns_everything_off(target: Path) -> None:
     ]
 
 
+RELOAD_PROGRAM = textwrap.dedent("""
+    import importlib, importlib.machinery, sys
+    sys.path.insert(0, sys.argv[1])
+    if sys.argv[2] == "target-first":
+        import pkg.target
+    import nemo_safe
+    from nemo_safe import patching
+
+    originals = []
+
+    def apply(mod):
+        originals.append(mod.greet)
+        changes = patching.Replacements("greets patched")
+        changes.set(mod, "greet", lambda: "patched")
+        return changes
+
+    def show(*extra):
+        print(t.greet(), patching.active(), *extra, flush=True)
+
+    patching.register(patching.Patch("pkg.target", "greet", apply))
+    import pkg.target as t
+    importlib.reload(t)                    # through nemo_safe's finder: applied again
+    show(len(originals))
+    importlib.machinery.SourceFileLoader("pkg.target", t.__file__).exec_module(t)  # not through it
+    show()
+    nemo_safe.patch()                      # applies it again
+    show(len(originals))
+    del sys.modules["pkg.target"]          # a new module object
+    import pkg.target as t
+    show(len(originals))
+    nemo_safe.unpatch()
+    show(t.greet is originals[-1])
+""")
+
+
+@pytest.mark.parametrize("order", ["nemo-safe-first", "target-first"])
+def test_reload_applies_again_and_active_reports_only_what_is_in_place(target: Path, order: str) -> None:
+    """A reload (also of a module imported before nemo_safe) re-applies the patch; a re-execution that
+    bypasses the finder is not reported as applied; unpatch restores the function the module has now."""
+    out = subprocess.run(
+        [sys.executable, "-c", RELOAD_PROGRAM, str(target), order],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.splitlines() == [
+        "patched ['greet'] 2",
+        "upstream []",
+        "patched ['greet'] 3",
+        "patched ['greet'] 4",
+        "upstream [] True",
+    ], out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+REPLACEMENTS_PROGRAM = textwrap.dedent("""
+    from types import SimpleNamespace
+    from nemo_safe.patching import Replacements
+
+    ns = SimpleNamespace(a=1, b=2, table={"k": "v"})
+    holder = SimpleNamespace(ns=ns)
+    changes = Replacements("what they do")
+    changes.expect(holder, "ns")
+    changes.set(ns, "a", 10)
+    changes.set_item(ns.table, "k", "V")
+    changes.set(ns, "b", 20)
+    print(changes.intact(), changes.description)
+    ns.b = 3                               # someone else's value since
+    print(changes.intact())
+    changes.undo()                         # restores a and k, leaves b alone
+    print(ns.a, ns.b, ns.table, changes.intact())
+    again = Replacements()
+    again.expect(holder, "ns")
+    again.set(ns, "a", 5)
+    holder.ns = SimpleNamespace(a=1)       # the container itself replaced (a reload's new class)
+    print(again.intact())
+""")
+
+
+def test_replacements_know_whether_they_are_in_place() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", REPLACEMENTS_PROGRAM],
+        env=clean_env(NEMO_SAFE_DISABLE="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.splitlines() == ["True what they do", "False", "1 3 {'k': 'v'} False", "False"], out.stderr
+
+
 def test_import_is_cheap() -> None:
     code = (
         "import sys, nemo_safe; heavy = [m for m in ('torch', 'lightning', 'nemo', 'torchvision', "
@@ -94,12 +183,13 @@ def test_broken_patch_never_breaks_the_import(target: Path) -> None:
         from nemo_safe import patching
         def apply(mod):
             raise RuntimeError("boom")
-        patching.register(patching.Patch("pkg.target", "broken", apply))
+        broken = patching.Patch("pkg.target", "broken", apply)
+        patching.register(broken)
         import pkg.target
-        print(pkg.target.greet(), patching.active())
+        print(pkg.target.greet(), patching.active(), patching.status(broken))
     """)
     out = subprocess.run(
         [sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, check=True, timeout=60
     )
-    assert out.stdout.strip() == "upstream []"
+    assert out.stdout.strip() == "upstream [] (False, 'applying it failed (RuntimeError: boom)')"
     assert "could not be applied" in out.stderr

@@ -10,27 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from nemo_safe import idx_files
+from nemo_safe import atomic_files, idx_files
 from nemo_safe.single_flight import LOCK_DIRNAME
 
-from procs import HERE, clean_env
+from procs import FLIGHT_WORKER, clean_env, finish_flights, start_flights
 
-WORKER = str(HERE / "flight_worker.py")
+WORKER = FLIGHT_WORKER
 HANG_GUARD = 120
 
 
 def _run(n: int, directory: Path, *args: str, **env: str) -> list[dict]:
-    procs = [
-        subprocess.Popen([sys.executable, WORKER, "--dir", str(directory), *args], env=clean_env(**env), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for _ in range(n)
-    ]  # fmt: skip
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=HANG_GUARD)
-        assert p.returncode == 0, err[-2000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return finish_flights(start_flights(n, directory, *args, **env), HANG_GUARD)[0]
 
 
 def test_one_leader_and_nothing_left(tmp_path: Path) -> None:
@@ -65,7 +55,8 @@ def test_stale_leader_on_another_host_is_replaced_after_its_heartbeat_stops(tmp_
     """A leader on another host that died (no pid check possible): taken over once its beat is frozen."""
     lock_dir = tmp_path / LOCK_DIRNAME
     lock_dir.mkdir()
-    (lock_dir / "job.0").write_text(json.dumps({"state": "running", "beat": 7, "host": "elsewhere", "pid": 1}))
+    info = {"state": "running", "beat": 7, "host": "elsewhere", "pid": 1, "nonce": "x"}
+    (lock_dir / "job.0").write_text(json.dumps(info))
     results = _run(2, tmp_path, "--work", "0.2", NEMO_SAFE_STALE_AFTER="3")
     assert all(r["status"] == "ok" for r in results), results
     assert sum(r["led"] for r in results) == 1
@@ -78,7 +69,8 @@ def test_dead_leader_on_this_host_is_replaced_quickly(tmp_path: Path) -> None:
     lock_dir.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    info = {"state": "running", "beat": 3, "host": socket.gethostname(), "pid": dead.pid}
+    info = {"state": "running", "beat": 3, "host": socket.gethostname(), "pid": dead.pid, "nonce": "x",
+            "pidns": atomic_files.pid_namespace()}  # fmt: skip
     (lock_dir / "job.0").write_text(json.dumps(info))
     results = _run(2, tmp_path, "--work", "0.2")  # default stale_after is 30 s: the pid check must do it
     assert all(r["status"] == "ok" for r in results), results
@@ -113,3 +105,32 @@ def test_idx_validation(tmp_path: Path, content: bytes, problem: str | None) -> 
     path.write_bytes(content)
     found = idx_files.problem(path)
     assert (found is None) if problem is None else (problem in found), found
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [b"[]", b'{"state": "running", "beat": "7", "host": [], "pid": "1", "nonce": 5}', b"garbage", b"null", None],
+    ids=["list", "wrong-types", "text", "null", "directory"],
+)
+def test_foreign_lock_file_is_ignored(tmp_path: Path, foreign: bytes | None) -> None:
+    """Shared folders are writable by others: a lock nemo_safe cannot have written is no leader.
+    It is ignored with a warning naming it (never an AttributeError), without waiting for a stale limit."""
+    lock_dir = tmp_path / LOCK_DIRNAME
+    lock_dir.mkdir()
+    if foreign is None:
+        (lock_dir / "job.0").mkdir()
+    else:
+        (lock_dir / "job.0").write_bytes(foreign)
+    results, logs = finish_flights(start_flights(3, tmp_path, "--work", "0.3"), HANG_GUARD)
+    assert all(r["status"] == "ok" for r in results), results
+    assert sum(r["led"] for r in results) == 1, results
+    assert max(r["seconds"] for r in results) < 20, "a foreign file is not a leader to wait 30 s for"
+    assert f"{lock_dir / 'job.0'} is not a lock nemo_safe wrote" in logs
+
+
+def test_leader_working_longer_than_the_timeout_is_waited_for(tmp_path: Path) -> None:
+    """The job takes 8 s under a 3 s timeout: the leader beats while it works, so the waiters'
+    timeout (which counts silence) never fires; a dead leader is still replaced (tests above)."""
+    results = _run(3, tmp_path, "--work", "8", NEMO_SAFE_BARRIER_TIMEOUT="3")
+    assert all(r["status"] == "ok" for r in results), results
+    assert sum(r["led"] for r in results) == 1, results

@@ -79,7 +79,8 @@ def test_cut_module_must_stand_alone(tmp_path: Path) -> None:
     with pytest.raises(EditError, match="does not stand alone"):
         tidy_new_module(path, 120)
     whole = tmp_path / "whole.py"
-    whole.write_text(module_source("atomic_files", keep=("TMP_PREFIX", "_OPEN_NEW", "temp_name", "publish")))
+    keep = ("TMP_PREFIX", "_FLAGS", "_OPEN_NEW", "temp_name", "publish")
+    whole.write_text(module_source("atomic_files", keep=keep))
     tidy_new_module(whole, 120)
 
 

@@ -171,11 +171,14 @@ def _nemo_barrier(tree: Path) -> None:
             "atomic_files",
             keep=(
                 "TMP_PREFIX",
+                "_FLAGS",
                 "_OPEN_READ",
                 "_OPEN_NEW",
                 "temp_name",
                 "publish",
+                "ESTALE_RETRIES",
                 "read_if_exists",
+                "listdir_if_exists",
                 "unlink_if_exists",
             ),
         ),
@@ -414,8 +417,22 @@ complete. ``single_flight``: one process downloads into a dataset folder while t
 wait (used by the MNIST family through ``mnist_download``).
 """
 '''
-TV_ERRORS_1 = ("NemoSafeError", "DownloadIncomplete", "ChecksumMismatch")
-TV_ERRORS_2 = (*TV_ERRORS_1, "ConfigurationError", "LeaderFailed", "WaitTimeout")
+TV_ERRORS_1 = (
+    "NemoSafeError",
+    "DownloadIncomplete",
+    "_typed",
+    "_download_incomplete_class",
+    "download_incomplete",
+    "_rebuild_download_incomplete",
+    "ChecksumMismatch",
+    "UnsafeArchivePath",
+)
+TV_ERRORS_2 = (*TV_ERRORS_1, "ConfigurationError", "LeaderFailed", "LeaderDeposed", "WaitTimeout")
+
+
+def without_leader_check(code: str) -> str:
+    """The overlay's functions without their ``check_still_leading`` calls (a single-flight concept)."""
+    return re.sub(r"^[ \t]*check_still_leading\([^)]*\)[^\n]*\n", "", code, flags=re.M)
 
 
 def _tv_atomic(tree: Path) -> None:
@@ -423,13 +440,18 @@ def _tv_atomic(tree: Path) -> None:
         "__init__": TV_INIT,
         "errors": module_source("errors", keep=TV_ERRORS_1),
         "atomic_files": module_source("atomic_files"),
+        "archive_members": module_source("archive_members"),
     }
     _write_package(tree, TV_PACKAGE, modules, TV_RENAMES, TV_WIDTH)
     path = tree / "torchvision/datasets/utils.py"
     module = "patches.torchvision_downloads"
     retrieve = definitions(module, ("urlretrieve",)).replace("def urlretrieve(", "def _urlretrieve(", 1)
     decompress = definitions(module, ("decompress",)).replace("def decompress(", "def _decompress(", 1)
-    extractor = definitions(module, ("atomic_extractor",)).replace("def atomic_extractor(", "def _atomic_extractor(")
+    extractor = definitions(module, ("extract_tar_checked", "extract_zip_listed", "atomic_extractor"))
+    for name in ("extract_tar_checked", "extract_zip_listed", "atomic_extractor"):
+        extractor = re.sub(rf"\b{name}\b", f"_{name}", extractor)
+    # The single flight (and its deposed-leader check) comes with the next patch, for MNIST only.
+    retrieve, decompress, extractor = (without_leader_check(c) for c in (retrieve, decompress, extractor))
     retrieve, decompress = (rename(without_module_indirection(c), TV_RENAMES) for c in (retrieve, decompress))
     replace_function(path, "_urlretrieve", retrieve)
     replace_function(path, "_decompress", decompress, keep_head=True)
@@ -437,7 +459,8 @@ def _tv_atomic(tree: Path) -> None:
     replace_once(
         path,
         '    ".tar": _extract_tar,\n    ".zip": _extract_zip,\n',
-        '    ".tar": _atomic_extractor(_extract_tar),\n    ".zip": _atomic_extractor(_extract_zip),\n',
+        '    ".tar": _atomic_extractor(_extract_tar_checked, _extract_tar),\n'
+        '    ".zip": _atomic_extractor(_extract_zip_listed(_extract_zip), _extract_zip),\n',
     )
     replace_once(
         path,

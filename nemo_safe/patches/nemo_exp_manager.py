@@ -35,7 +35,7 @@ from typing import Any
 from nemo_safe import cluster_identity
 from nemo_safe.patches import nemo_resume_order
 from nemo_safe.patches.nemo_resume_order import ResumeOrder
-from nemo_safe.patching import Patch, Replacements, Undo
+from nemo_safe.patching import Patch, Replacements
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,20 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
         local_rank = _launcher_local_rank()
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = str(local_rank)  # upstream names its per-rank log file by it
+        error: BaseException | None = None
         try:
             return original(trainer, cfg)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            stack.pop()
+            call = stack.pop()
+            if call.order is not None:
+                try:
+                    call.order.close(error)
+                except Exception as close_error:  # never hide NeMo's own exception behind ours
+                    log.warning("nemo_safe: exp_manager: could not tell the other ranks how rank 0 ended: %s",
+                                close_error)  # fmt: skip
             if local_rank is not None:
                 os.environ.pop("LOCAL_RANK", None)
 
@@ -188,8 +198,9 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
     return exp_manager
 
 
-def apply(module: ModuleType) -> Undo | None:
-    if recognise(module) is None:
+def apply(module: ModuleType) -> Replacements | None:
+    release = recognise(module)
+    if release is None:
         digest = "unreadable"
         try:
             digest = source_digest(module)[:16]
@@ -205,21 +216,20 @@ def apply(module: ModuleType) -> Undo | None:
             ", ".join(KNOWN_SOURCES.values()),
         )
         return None
-    changes = Replacements()
+    changes = Replacements(f"matches {release}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep")
     changes.set(module, "get_log_dir", _make_get_log_dir(module.get_log_dir))
     changes.set(module, "check_resume", _make_check_resume(module.check_resume))
     changes.set(module, "exp_manager", _make_exp_manager(module.exp_manager, module))
     changes.set(module, "time", _SleepGate(module.time if isinstance(module.time, ModuleType) else _time))
-    return changes.undo
+    return changes
 
 
 def describe(module: ModuleType) -> str:
+    """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
     release = recognise(module)
     if release is None:
-        return "check_resume/get_log_dir do not match a known release: left untouched (upstream race remains)"
-    if not isinstance(getattr(module, "time", None), _SleepGate):
-        return f"matches {release}: not patched"
-    return f"matches {release}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep"
+        return "check_resume/get_log_dir do not match a known release: upstream's resume race remains"
+    return f"matches {release}: upstream's exp_manager runs (resume race remains)"
 
 
 PATCH = Patch(MODULE, "nemo-exp-manager-resume", apply, describe)

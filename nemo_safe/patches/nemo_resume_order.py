@@ -186,6 +186,13 @@ class ResumeOrder:
                 "there. Fix the path or its permissions, or choose another exp_dir."
             ) from exc
 
+    def close(self, error: BaseException | None) -> None:
+        """Rank 0 left ``exp_manager`` without reaching ``check_resume`` (an error on the way): publish
+        how it ended, so that the waiting ranks stop now instead of at their timeout."""
+        barrier, self.barrier = self.barrier, None
+        if barrier is not None:
+            barrier.release(error, self.payload)
+
     # -- check_resume: rank 0's move, then everyone's lookup ------------------------------
 
     def check_resume(self, check_resume: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

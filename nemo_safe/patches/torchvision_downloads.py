@@ -7,10 +7,13 @@ decompressing into memory; the tar/zip extractors write in place too. So a
 second process, or a killed one, leaves empty or truncated files behind.
 
 Here every one of those files is written under a temporary name in its own
-directory (``.tmp.<name>~<host>~<pid>~<random>``) and renamed into place only
-when complete: all announced bytes arrived and, when the caller gave an md5,
-the md5 matches. Temporaries of dead writers are swept on the next write into
-that directory, never published.
+directory (``.tmp.<name>~<host>@<pid namespace>~<pid>~<random>``) and renamed
+into place only when complete: all announced bytes arrived and, when the caller
+gave an md5, the md5 matches. Temporaries of dead writers are swept on the next
+write into that directory, never published. Archives are extracted into a
+staging folder after their members were checked (nothing outside the
+destination, as Python 3.14's tarfile data filter), and published only when
+the folder still holds every member.
 
 Patched are the names the helpers look up at call time in
 ``torchvision.datasets.utils`` (``_urlretrieve``, ``_decompress``, the entries
@@ -31,15 +34,19 @@ import os
 import pathlib
 import shutil
 import sys
+import tarfile
 import threading
 import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from nemo_safe.archive_members import checked_tar_members, zip_names
 from nemo_safe.atomic_files import merge_tree, owned_temp_name, seal, sibling_temp, sweep_stale_temps, unlink_if_exists
-from nemo_safe.errors import ChecksumMismatch, DownloadIncomplete
-from nemo_safe.patching import Patch, Replacements, Undo
+from nemo_safe.errors import ChecksumMismatch, download_incomplete
+from nemo_safe.patching import Patch, Replacements
+from nemo_safe.single_flight import check_still_leading
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +105,17 @@ def urlretrieve(
     The bytes go to a temporary sibling (the writer's host and pid in its name) and are renamed
     into place only when all announced bytes arrived and, given ``md5``, the md5 matches. Other
     processes reading or downloading the same file at the same time never see a partial one.
+
+    Errors keep upstream's types (see :class:`~nemo_safe.errors.DownloadIncomplete`): a body that
+    breaks off raises ``DownloadIncomplete`` that is also the type of what broke it off (a
+    ``ConnectionResetError`` stays one, so ``download_url`` still retries ``https`` over ``http``);
+    a body that ends early without an error (upstream: a silently truncated file) raises a plain
+    ``DownloadIncomplete``, a ``RuntimeError`` and an ``OSError``; a wrong md5 raises
+    ``ChecksumMismatch``, a ``RuntimeError`` as upstream's "File not found or corrupted.".
+    Errors opening the URL (``URLError``, ``HTTPError``) and writing the file are upstream's own.
     """
     utils = sys.modules[MODULE]
+    check_still_leading()  # a download leader taken over while stalled fetches nothing more
     final = os.path.abspath(os.fspath(filename))
     tmp = sibling_temp(final)
     digest = hashlib.md5(usedforsecurity=False)
@@ -109,19 +125,24 @@ def urlretrieve(
         with urllib.request.urlopen(request) as response:
             announced = response.length
             with open(tmp, "xb") as fh, utils.tqdm(total=announced, unit="B", unit_scale=True) as pbar:
-                try:
-                    while chunk := response.read(chunk_size):
-                        fh.write(chunk)
-                        digest.update(chunk)
-                        received += len(chunk)
-                        pbar.update(len(chunk))
-                except (http.client.HTTPException, ConnectionError) as exc:
-                    raise DownloadIncomplete(
-                        f"download of {url} broke off after {received} bytes ({type(exc).__name__}: {exc}); "
-                        f"nothing was written to {final}. Retry, or check the server."
-                    ) from exc
+                while True:
+                    try:
+                        chunk = response.read(chunk_size)
+                    except (http.client.HTTPException, OSError) as exc:  # not fh.write's errors: those are ours
+                        raise download_incomplete(
+                            f"download of {url} broke off after {received} bytes ({type(exc).__name__}: {exc}); "
+                            f"nothing was written to {final}. Retry, or check the server.",
+                            exc,
+                        ) from exc
+                    if not chunk:
+                        break
+                    check_still_leading(look=False)
+                    fh.write(chunk)
+                    digest.update(chunk)
+                    received += len(chunk)
+                    pbar.update(len(chunk))
         if announced is not None and received != announced:
-            raise DownloadIncomplete(
+            raise download_incomplete(
                 f"download of {url} ended after {received} of {announced} bytes; nothing was written to "
                 f"{final}. Retry, or check the server or proxy."
             )
@@ -131,6 +152,7 @@ def urlretrieve(
                 f"{md5}; nothing was written to {final}. The mirror serves other bytes than the dataset "
                 "declares: try another mirror."
             )
+        check_still_leading()
         seal(tmp, final)
     finally:
         unlink_if_exists(tmp)
@@ -159,19 +181,46 @@ def decompress(
     try:
         with compressed_file_opener(from_path, "rb") as rfh, open(tmp, "xb") as wfh:
             shutil.copyfileobj(rfh, wfh, 1 << 20)
+        check_still_leading()
         seal(tmp, final)
     finally:
         unlink_if_exists(tmp)
 
     if remove_finished:
+        check_still_leading()
         os.remove(from_path)
 
     return pathlib.Path(to_path)
 
 
-def atomic_extractor(original: Callable[..., None]) -> Callable[..., None]:
-    """Wrap an archive extractor: extract into a temporary folder inside the destination,
-    then rename each file into place, so no reader sees a partially written file."""
+def extract_tar_checked(from_path: Any, to_path: Any, compression: str | None) -> list[str]:
+    """``_extract_tar`` of torchvision 0.29.1 (verified source) with each member checked before it
+    is extracted (:func:`~nemo_safe.archive_members.checked_tar_members`: one pass over the
+    archive, as upstream's); returns the paths it created."""
+    names: list[str] = []
+    with tarfile.open(from_path, f"r:{compression[1:]}" if compression else "r") as tar:
+        tar.extractall(to_path, members=checked_tar_members(tar, os.fspath(from_path), names))
+    return names
+
+
+def extract_zip_listed(original: Callable[..., None]) -> Callable[..., list[str]]:
+    """Upstream's zip extractor, returning the paths it creates (from the central directory)."""
+
+    def extract(from_path: Any, to_path: Any, compression: str | None) -> list[str]:
+        with zipfile.ZipFile(from_path) as archive:
+            names = zip_names(archive)
+        original(from_path, to_path, compression)
+        return names
+
+    return extract
+
+
+def atomic_extractor(extract_into: Callable[..., list[str]], original: Callable[..., None]) -> Callable[..., None]:
+    """Make an archive extractor publish atomically: ``extract_into`` extracts into a temporary
+    folder inside the destination and returns the paths it created; then each file (or new
+    directory) is renamed into place, so no reader sees a partially written file, nothing is
+    written outside the destination, and a staging folder that lost members (removed by another
+    process) raises instead of publishing a partial tree."""
 
     @functools.wraps(original)
     def extract(from_path: Any, to_path: Any, compression: str | None) -> None:
@@ -181,8 +230,9 @@ def atomic_extractor(original: Callable[..., None]) -> Callable[..., None]:
         staging = os.path.join(dest, owned_temp_name(os.path.basename(os.fspath(from_path))))
         os.mkdir(staging)
         try:
-            original(from_path, staging, compression)
-            merge_tree(staging, dest)
+            members = extract_into(from_path, staging, compression)
+            check_still_leading()
+            merge_tree(staging, dest, members)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -216,8 +266,9 @@ def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
     return download_url
 
 
-def _apply_utils(utils: ModuleType) -> Undo | None:
-    if recognise(utils) is None:
+def _apply_utils(utils: ModuleType) -> Replacements | None:
+    known = recognise(utils)
+    if known is None:
         log.warning(
             "nemo_safe: torchvision.datasets.utils is a version nemo_safe was not verified against; its downloads "
             "are left unchanged (not atomic). Known: %s",
@@ -225,16 +276,27 @@ def _apply_utils(utils: ModuleType) -> Undo | None:
         )
         return None
     _ORIGINAL_DECOMPRESS[:] = [utils._decompress]
-    changes = Replacements()
+    changes = Replacements(f"atomic downloads and extraction ({known})")
+    changes.expect(utils, "_ARCHIVE_EXTRACTORS")
     changes.set(utils, "_urlretrieve", _urlretrieve_expecting_md5)
     changes.set(utils, "_decompress", decompress)
     changes.set(utils, "download_url", md5_aware(utils.download_url))
+    listed = {".tar": lambda _: extract_tar_checked, ".zip": extract_zip_listed}
     for suffix, extractor in list(utils._ARCHIVE_EXTRACTORS.items()):
-        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, atomic_extractor(extractor))
-    return changes.undo
+        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, atomic_extractor(listed[suffix](extractor), extractor))
+    return changes
 
 
-def _apply_bindings(package: ModuleType) -> Undo | None:
+def _bound_from(utils: ModuleType, attr: str, value: object) -> bool:
+    """Whether ``value`` is ``utils.<attr>`` as an earlier execution of ``utils`` defined it (a reload)."""
+    try:
+        function = inspect.unwrap(value) if callable(value) else value
+    except ValueError:
+        return False
+    return getattr(function, "__name__", None) == attr and getattr(function, "__globals__", None) is vars(utils)
+
+
+def _apply_bindings(package: ModuleType) -> Replacements | None:
     """Rebind ``download_url`` and ``_decompress`` in every dataset module that imported them
     by name (``from .utils import download_url``; pcam imports ``_decompress``)."""
     utils = sys.modules.get(MODULE)
@@ -245,25 +307,41 @@ def _apply_bindings(package: ModuleType) -> Undo | None:
         "_decompress": (_ORIGINAL_DECOMPRESS[0], utils._decompress),
     }
     changes = Replacements()
+    changes.expect(utils, "download_url")  # rebound to this wrapper: a reload of utils makes a new one
+    rebound = 0
     for mod_name, module in list(sys.modules.items()):
         if not mod_name.startswith(PACKAGE + ".") or module is None or module is utils:
             continue
+        found = False
         for attr, (original, patched) in replacements.items():
             # A module imported after the utils patch bound the patched function already;
             # record it too, so that undo restores the original there as well.
-            if getattr(module, attr, None) in (original, patched):
+            bound = getattr(module, attr, None)
+            if bound is original or bound is patched or _bound_from(utils, attr, bound):
                 changes.set(module, attr, patched, original=original)
-    return changes.undo
+                found = True
+        rebound += found
+    changes.description = (
+        f"{rebound} dataset modules that imported download_url or _decompress by name call the atomic ones"
+    )
+    return changes
 
 
 def _describe(module: ModuleType) -> str:
+    """The unpatched module (see :class:`~nemo_safe.patching.Patch`): its sources are fingerprinted."""
     known = recognise(module)
     if known:
-        return f"patched: atomic downloads and extraction ({known})"
-    return "NOT patched: unknown torchvision version (downloads stay non-atomic)"
+        return f"recognised as {known}: downloads stay non-atomic"
+    return "unknown torchvision version: downloads stay non-atomic"
+
+
+def _describe_bindings(package: ModuleType) -> str:
+    if not getattr(getattr(sys.modules.get(MODULE), "download_url", None), "__nemo_safe__", False):
+        return "torchvision-atomic-downloads is not in place: dataset modules call upstream's download_url"
+    return "not applied: dataset modules keep the download_url and _decompress they imported"
 
 
 PATCHES = (
     Patch(module=MODULE, name="torchvision-atomic-downloads", apply=_apply_utils, describe=_describe),
-    Patch(module=PACKAGE, name="torchvision-download-url-bindings", apply=_apply_bindings),
+    Patch(module=PACKAGE, name="torchvision-download-url-bindings", apply=_apply_bindings, describe=_describe_bindings),
 )

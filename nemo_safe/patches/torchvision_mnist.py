@@ -28,7 +28,7 @@ from typing import Any
 
 from nemo_safe import cluster_identity, idx_files
 from nemo_safe.errors import NemoSafeError
-from nemo_safe.patching import Patch, Replacements, Undo
+from nemo_safe.patching import Patch, Replacements
 from nemo_safe.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -116,28 +116,30 @@ def single_flight_download(original: Callable[[Any], None]) -> Callable[[Any], N
     return download
 
 
-def _apply(module: ModuleType) -> Undo | None:
-    if recognise(module) is None:
+def _apply(module: ModuleType) -> Replacements | None:
+    known = recognise(module)
+    if known is None:
         log.warning(
             "nemo_safe: torchvision.datasets.mnist is a version nemo_safe was not verified against; MNIST "
             "downloads are left unchanged (every process downloads). Known: %s",
             ", ".join(KNOWN_MNIST.values()),
         )
         return None
-    changes = Replacements()
+    changes = Replacements(f"one download per dataset folder, raw files validated ({known})")
     for cls_name in CLASSES:
         cls = getattr(module, cls_name)
+        changes.expect(module, cls_name)  # a reload of the module defines new classes
         for method, wrap in (("download", single_flight_download), ("_check_exists", validating_check_exists)):
             original = cls.__dict__[method]  # the class's own, not an inherited one
             changes.set(cls, method, wrap(original), original=original)
-    return changes.undo
+    return changes
 
 
 def _describe(module: ModuleType) -> str:
+    """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
     known = recognise(module)
-    if known:
-        return f"patched: one download per dataset folder, raw files validated ({known})"
-    return "NOT patched: unknown torchvision version"
+    version = f"recognised as {known}" if known else "unknown torchvision version"
+    return f"{version}: every process downloads, raw files are not validated"
 
 
 PATCH = Patch(module=MODULE, name="torchvision-mnist-single-flight", apply=_apply, describe=_describe)
