@@ -16,11 +16,14 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from nemo_safe.errors import UnsafeArchivePath
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TMP_PREFIX = ".tmp."
 # getattr: importing this module must not fail where a flag is missing (Windows has no O_NOFOLLOW and
@@ -62,48 +65,42 @@ def publish(directory: str, name: str, data: bytes, *, fsync: bool = False) -> N
 ESTALE_RETRIES = 20
 
 
-def read_if_exists(path: str) -> bytes | None:
-    """The content of ``path``, or None when it does not exist. Never follows a symlink.
-
-    NFS answers ESTALE when another client renamed a new file over ``path`` between our
-    open and read: that is "changed", so the path is looked up and read again."""
+def _again_on_estale(look: Callable[[], T]) -> T | None:
+    """``look()``, or None when what it looks at does not exist. NFS answers ESTALE when another
+    client replaced it (renamed a new file over it, recreated the directory) between our lookup
+    and use: that is "changed", so it is looked up afresh, up to ESTALE_RETRIES times."""
     for attempt in range(ESTALE_RETRIES):
         try:
-            fd = os.open(path, _OPEN_READ)
+            return look()
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno != errno.ESTALE or attempt == ESTALE_RETRIES - 1:
                 raise
             time.sleep(0.001 * (attempt + 1))
-            continue
-        try:
-            chunks = []
-            while chunk := os.read(fd, 1 << 16):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        except OSError as exc:
-            if exc.errno != errno.ESTALE or attempt == ESTALE_RETRIES - 1:
-                raise
-            time.sleep(0.001 * (attempt + 1))
-        finally:
-            os.close(fd)
     raise AssertionError("unreachable")
+
+
+def _read_whole(path: str) -> bytes:
+    fd = os.open(path, _OPEN_READ)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_if_exists(path: str) -> bytes | None:
+    """The content of ``path``, or None when it does not exist. Never follows a symlink;
+    read again on ESTALE (see :func:`_again_on_estale`)."""
+    return _again_on_estale(lambda: _read_whole(path))
 
 
 def listdir_if_exists(path: str) -> list[str] | None:
-    """The names in ``path``, or None when it does not exist; ESTALE (the directory was
-    removed and recreated by another client) is looked up again like in :func:`read_if_exists`."""
-    for attempt in range(ESTALE_RETRIES):
-        try:
-            return os.listdir(path)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno != errno.ESTALE or attempt == ESTALE_RETRIES - 1:
-                raise
-            time.sleep(0.001 * (attempt + 1))
-    raise AssertionError("unreachable")
+    """The names in ``path``, or None when it does not exist; looked up again on ESTALE."""
+    return _again_on_estale(lambda: os.listdir(path))
 
 
 def unlink_if_exists(path: str) -> None:
