@@ -59,8 +59,9 @@ def _deleter(dest: str, after: int) -> dict:
             if name.startswith(".tmp.") and os.path.isdir(path):
                 count = sum(len(d) + len(f) for _, d, f in os.walk(path))
                 if count >= after:
+                    began = time.time()  # the extraction may fail mid-rmtree, before it ends
                     shutil.rmtree(path, ignore_errors=True)
-                    return {"removed": path, "entries": count}
+                    return {"removed": path, "entries": count, "began": began}
         time.sleep(0.005)
     raise TimeoutError(f"no extraction folder with {after} entries appeared in {dest}")
 
