@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "upstream"))
 
 from releases import AUTHOR_EMAIL, AUTHOR_NAME, git, pristine_repo
-from series import ALL, Series
+from series import Series, all_series
 from source_edit import check_names_defined
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nemo_safe-patches-") as tmp:
         work = Path(tmp)
         stale = []
-        for series in ALL:
+        for series in all_series():
             target = PATCHES / series.project
             out = work / "out" / series.project if args.check else target
             made = generate(series, work, out)

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "upstream"))
 
 from releases import git, pristine_repo
-from series import ALL, Series
+from series import Series, all_series
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,12 +188,12 @@ def verify(series: Series, version: str, work: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=[s.project for s in ALL])
+    parser.add_argument("--only", choices=[s.project for s in all_series()])
     parser.add_argument("--release", help="only this release of the project(s)")
     args = parser.parse_args(argv)
     summary: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="nemo_safe-verify-") as tmp:
-        for series in ALL:
+        for series in all_series():
             if args.only and series.project != args.only:
                 continue
             for version in series.verified:
