@@ -29,7 +29,7 @@ PATCHES = REPO / "patches"
 
 def generate(series: Series, work: Path, out: Path) -> list[Path]:
     """Write ``series`` as format-patch files into ``out``; returns them in order."""
-    repo = pristine_repo(series.distribution, series.base_version, work / series.project)
+    repo = pristine_repo(series.distribution, series.base_version, work / series.project, series.upstream_files)
     base = git(repo, "rev-parse", "HEAD").stdout.strip()
     for patch in series.patches:
         patch.apply(repo)

@@ -63,14 +63,22 @@ def fetch_wheel(distribution: str, version: str) -> Path:
     return cached[0]
 
 
-def pristine_repo(distribution: str, version: str, dest: Path) -> Path:
-    """A git repository at ``dest`` whose one commit is the release's sources."""
+def pristine_repo(
+    distribution: str, version: str, dest: Path, upstream_files: tuple[tuple[str, str, str], ...] = ()
+) -> Path:
+    """A git repository at ``dest`` whose one commit is the release's sources, plus the upstream
+    test files the release wheel lacks (``(path, distribution, version)``: taken from that wheel)."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     with zipfile.ZipFile(fetch_wheel(distribution, version)) as wheel:
         members = [m for m in wheel.namelist() if ".dist-info/" not in m and not m.endswith("/")]
         wheel.extractall(dest, members)
+    for path, source, source_version in upstream_files:
+        with zipfile.ZipFile(fetch_wheel(source, source_version)) as wheel:
+            target = dest / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(wheel.read(path))
     git(dest, "init", "-q", "-b", "main")
     git(dest, "add", "-A")
     git(dest, "commit", "-q", "-m", f"{distribution} {version} as released")

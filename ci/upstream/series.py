@@ -26,6 +26,12 @@ class UpstreamPatch:
     subject: str
     body: str
     apply: Callable[[Path], None]
+    #: Test files (relative to the tree) this patch adds or extends; run patched, with every test in them.
+    tests: tuple[str, ...] = ()
+    #: ``file::name`` of the tests that must fail on the unpatched release (with the patched test files).
+    race_tests: tuple[str, ...] = ()
+    #: Slugs of earlier patches this one needs; empty: it applies and passes on the pristine release alone.
+    requires: tuple[str, ...] = ()
 
     def message(self, signoff: str) -> str:
         return f"{self.subject}\n\n{self.body.strip()}\n\nSigned-off-by: {signoff}\n"
@@ -39,6 +45,9 @@ class Series:
     base_version: str
     verified: tuple[str, ...]
     patches: tuple[UpstreamPatch, ...]
+    #: Upstream test files the release wheel lacks, added to the pristine tree as they were released:
+    #: path -> (distribution, version) of a wheel that ships it (NeMo 2.7.3's wheel ships its tests/).
+    upstream_files: tuple[tuple[str, str, str], ...] = ()
 
 
 def _copy_tests(project: str, tree: Path, *relative: str) -> None:
