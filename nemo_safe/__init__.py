@@ -26,9 +26,7 @@ from nemo_safe.cluster_identity import ClusterIdentity
 from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.errors import (
     BarrierTimeout,
-    ChecksumMismatch,
     ConfigurationError,
-    DownloadIncomplete,
     LeaderFailed,
     NemoSafeError,
     RankZeroAbsent,
@@ -43,10 +41,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Barrier",
     "BarrierTimeout",
-    "ChecksumMismatch",
     "ClusterIdentity",
     "ConfigurationError",
-    "DownloadIncomplete",
     "LeaderFailed",
     "NemoSafeError",
     "RankZeroAbsent",

@@ -34,10 +34,16 @@ whose exclusive create carries a verifier) elects the leader instead. No file lo
 * Files in the lock folder that nemo_safe cannot have written (other users can
   write shared folders) are ignored with a warning, never trusted.
 * A process known as a preferred leader (rank 0) gets a short head start.
+
+``run(job, done)`` runs the job; :meth:`SingleFlight.hold` is the same as a context
+manager (the leader runs the ``with`` block, the others come out of ``__enter__``
+once ``done()`` holds): the MNIST overlay uses it in place of upstream torchvision's
+``_download_lock``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -45,7 +51,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nemo_safe.atomic_files import (
@@ -328,14 +334,12 @@ class SingleFlight:
         if self._generation is None:
             return
         if self._deposed.is_set() or (look and not self._still_holds(self._generation)):
-            self._deposed.set()
-            raise LeaderDeposed(
-                f"{self.what}: this process (pid {os.getpid()}) was taken over as the one doing it "
-                f"(generation {self._generation}) while it was stalled; it stops and waits for the new one"
-            )
+            raise self._deposed_error(self._generation)
 
-    def _lead(self, generation: int, job: Callable[[], None], done: Callable[[], bool]) -> bool:
-        """Run the job as this generation's leader. False when deposed: the caller waits again."""
+    @contextlib.contextmanager
+    def _lead(self, generation: int) -> Iterator[None]:
+        """Run the block as this generation's leader. Raises :class:`LeaderDeposed` when this process
+        was taken over while it ran: its outcome is not published, the caller waits again."""
         self.led = True
         self._generation = generation
         self._deposed.clear()
@@ -357,10 +361,9 @@ class SingleFlight:
         thread = threading.Thread(target=heartbeat, daemon=True, name=f"nemo_safe-heartbeat-{self.name}")
         thread.start()
         _leading.flight = self
+        log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
         try:
-            if not done():
-                log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
-                job()
+            yield
             self._check_not_deposed()
         except Exception as exc:
             stop.set()
@@ -368,7 +371,7 @@ class SingleFlight:
             if self._was_deposed(generation):
                 log.warning("nemo_safe: %s: taken over while stalled (%s: %s); waiting for the new leader",
                             self.what, type(exc).__name__, exc)  # fmt: skip
-                return False
+                raise self._deposed_error(generation) from exc
             try:
                 failed = self._info("failed", beat[0] + 1, error_type=type(exc).__name__, error=str(exc))
                 publish(self.lock_dir, name, failed)
@@ -394,9 +397,15 @@ class SingleFlight:
             if not self._was_deposed(generation):
                 raise
             log.warning("nemo_safe: %s: taken over while stalled (%s); waiting for the new leader", self.what, exc)
-            return False
+            raise self._deposed_error(generation) from exc
         self._remove_locks(generation)
-        return True
+
+    def _deposed_error(self, generation: int) -> LeaderDeposed:
+        self._deposed.set()  # what run() and hold()'s callers check before waiting again
+        return LeaderDeposed(
+            f"{self.what}: this process (pid {os.getpid()}) was taken over as the one doing it "
+            f"(generation {generation}) while it was stalled; it stops and waits for the new one"
+        )
 
     def _remove_locks(self, generation: int) -> None:
         """After success: this generation's lock and older ones, then the folder if empty."""
@@ -415,6 +424,33 @@ class SingleFlight:
 
     def run(self, job: Callable[[], None], done: Callable[[], bool]) -> None:
         """Return once ``done()`` holds, having run ``job`` here or waited for the process that did."""
+        while True:
+            try:
+                with self.hold(done):
+                    if not done():
+                        job()
+                return
+            except LeaderDeposed:
+                if not self._deposed.is_set():
+                    raise  # another flight's, raised inside the job
+                # taken over while stalled: wait for the new leader (or lead again)
+
+    @contextlib.contextmanager
+    def hold(self, done: Callable[[], bool]) -> Iterator[bool]:
+        """:meth:`run` as a context manager. The block runs in the process that leads (it gets True and
+        re-checks ``done()`` itself: someone may just have finished); every other process gets False from
+        ``__enter__`` only once ``done()`` holds, or raises the leader's failure (:class:`LeaderFailed`). The
+        leader's error is recorded for the waiters. A leader taken over while it ran (stalled past the stale
+        limit) raises :class:`LeaderDeposed` from ``__exit__``: call again to wait for the new one."""
+        generation = self._wait(done)
+        if generation is None:
+            yield False
+            return
+        with self._lead(generation):
+            yield True
+
+    def _wait(self, done: Callable[[], bool]) -> int | None:
+        """None once ``done()`` holds; the generation this process won the lock of, when it must lead."""
         deadline = time.monotonic() + self.timeout
         backoff = Backoff(POLL_CAP, start=0.01)
         progress = Progress()
@@ -422,7 +458,7 @@ class SingleFlight:
         watch: _Watch | None = None
         while True:
             if done():
-                return
+                return None
             try:
                 generations = self._generations()
             except OSError as exc:  # listing failed on our side (a failover): not a verdict on anyone
@@ -436,8 +472,8 @@ class SingleFlight:
                 if grace_until is not None and time.monotonic() < grace_until:
                     backoff.sleep(grace_until)
                     continue
-                if self._try_lead(0) and self._lead(0, job, done):
-                    return
+                if self._try_lead(0):
+                    return 0
                 continue
             current = generations[-1]
             try:
@@ -473,9 +509,9 @@ class SingleFlight:
                         watch.frozen_for(),
                     )
                 if state == "done" and done():
-                    return
-                if self._try_lead(current + 1) and self._lead(current + 1, job, done):
-                    return
+                    return None
+                if self._try_lead(current + 1):
+                    return current + 1
                 continue
             if time.monotonic() > deadline:
                 raise WaitTimeout(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_safe import atomic_files, idx_files
-from nemo_safe.single_flight import LOCK_DIRNAME
+from nemo_safe import atomic_files
+from nemo_safe.single_flight import LOCK_DIRNAME, SingleFlight
 
 from procs import FLIGHT_WORKER, clean_env, finish_flights, start_flights
 
@@ -85,26 +85,21 @@ def test_preferred_leader_gets_the_job(tmp_path: Path) -> None:
     assert rank0["led"] and not json.loads(out)["led"]
 
 
-def _idx(dims: list[int], items: bytes) -> bytes:
-    return bytes([0, 0, 8, len(dims)]) + b"".join(d.to_bytes(4, "big") for d in dims) + items
-
-
-@pytest.mark.parametrize(
-    ("content", "problem"),
-    [
-        (_idx([3, 2, 2], bytes(12)), None),
-        (b"", "0 bytes"),
-        (_idx([3, 2, 2], b"")[:10], "truncated inside the IDX header"),
-        (_idx([3, 2, 2], bytes(11)), "27 bytes, but its header [3, 2, 2] needs 28"),
-        (_idx([3, 2, 2], bytes(13)), "needs 28"),
-        (b"PK\x03\x04rest", "not an IDX file"),
-    ],
-)
-def test_idx_validation(tmp_path: Path, content: bytes, problem: str | None) -> None:
-    path = tmp_path / "f"
-    path.write_bytes(content)
-    found = idx_files.problem(path)
-    assert (found is None) if problem is None else (problem in found), found
+def test_hold_runs_the_block_in_the_leader_and_records_its_failure(tmp_path: Path) -> None:
+    """SingleFlight.hold, the context-manager form the MNIST overlay uses as upstream's ``_download_lock``:
+    nothing to wait for when done() holds; the leader runs the block and cleans up, or records its error."""
+    made = tmp_path / "made"
+    with SingleFlight(tmp_path, "job").hold(made.exists) as leading:
+        assert leading and (tmp_path / LOCK_DIRNAME / "job.0").exists()
+        made.write_text("x")
+    assert not (tmp_path / LOCK_DIRNAME).exists()
+    with SingleFlight(tmp_path, "job").hold(made.exists) as leading:
+        assert not leading, "done() holds: nothing to lead"
+    made.unlink()
+    with pytest.raises(OSError, match="disk full"), SingleFlight(tmp_path, "job").hold(made.exists):
+        raise OSError("disk full")
+    lock = json.loads((tmp_path / LOCK_DIRNAME / "job.0").read_text())
+    assert (lock["state"], lock["error"]) == ("failed", "disk full")
 
 
 @pytest.mark.parametrize(

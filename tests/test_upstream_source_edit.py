@@ -7,6 +7,8 @@ tests pin the failure modes a new upstream release would hit.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -88,3 +90,34 @@ def test_relative_imports_and_renames() -> None:
     source = rename(module_source("single_flight"), {"NemoSafeError": "DownloadError", "nemo_safe: ": ""})
     assert "from .waiting import" in source and "from .errors import" in source
     assert "nemo_safe.waiting" not in source
+
+
+def _make_patches(tmp_path: Path, *args: str, author: str | None = None) -> subprocess.CompletedProcess[str]:
+    """ci/make_patches.py run as someone whose git knows no identity (empty global and system config)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "NEMO_SAFE_PATCH_AUTHOR"))}
+    env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1", HOME=str(tmp_path))
+    if author is not None:
+        env["NEMO_SAFE_PATCH_AUTHOR"] = author
+    script = Path(__file__).resolve().parents[1] / "ci" / "make_patches.py"
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_submitted_series_carry_the_submitters_identity_or_none(tmp_path: Path) -> None:
+    """The committed series carry an obvious placeholder; --submit refuses without the submitter's own
+    identity (NeMo's DCO, torchvision's CLA) and writes every commit as them when given one."""
+    refused = _make_patches(tmp_path, "--submit", str(tmp_path / "none"))
+    assert refused.returncode == 2, refused
+    assert "NEMO_SAFE_PATCH_AUTHOR" in refused.stderr and not (tmp_path / "none").exists()
+
+    made = _make_patches(tmp_path, "--submit", str(tmp_path / "out"), author="Ada Lovelace <ada@example.com>")
+    assert made.returncode == 0, made.stdout + made.stderr
+    patches = sorted((tmp_path / "out").rglob("*.patch"))
+    committed = sorted((Path(__file__).resolve().parents[1] / "patches").rglob("*.patch"))
+    assert [p.name for p in patches] == [p.name for p in committed]
+    for patch, placeholder in zip(patches, committed, strict=True):
+        text = patch.read_text()
+        assert (
+            "From: Ada Lovelace <ada@example.com>" in text and "Signed-off-by: Ada Lovelace <ada@example.com>" in text
+        )
+        assert "REPLACE WITH YOUR NAME" not in text
+        assert "From: REPLACE WITH YOUR NAME" in placeholder.read_text()

@@ -17,29 +17,40 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("NEMO_SAFE_CACHE", Path.home() / ".cache" / "nemo_safe")) / "wheels"
 
-#: Fixed identity and dates: regenerating the series must give the same bytes.
-AUTHOR_NAME = "nemo_safe maintainers"
-AUTHOR_EMAIL = "nemo-safe@users.noreply.github.com"
+#: The committed series carry this obviously-placeholder author and sign-off and a fixed date, so that
+#: regenerating them gives the same bytes; a submitter replaces it with their own (``make_patches.py --submit``).
+PLACEHOLDER = "REPLACE WITH YOUR NAME <replace-with-your-email@example.invalid>"
 DATE = "2026-11-30T12:00:00+00:00"
 
 
-def git_env() -> dict[str, str]:
+def split_identity(identity: str) -> tuple[str, str]:
+    """``"Name <email>"`` -> ``("Name", "email")``."""
+    name, _, rest = identity.partition("<")
+    return name.strip(), rest.rstrip(">").strip()
+
+
+def git_env(identity: str = PLACEHOLDER, date: str | None = DATE) -> dict[str, str]:
+    """Git run with ``identity`` as author and committer, none of the caller's configuration, and
+    ``date`` (None: now)."""
+    name, email = split_identity(identity)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env.update(
-        GIT_AUTHOR_NAME=AUTHOR_NAME,
-        GIT_AUTHOR_EMAIL=AUTHOR_EMAIL,
-        GIT_COMMITTER_NAME=AUTHOR_NAME,
-        GIT_COMMITTER_EMAIL=AUTHOR_EMAIL,
-        GIT_AUTHOR_DATE=DATE,
-        GIT_COMMITTER_DATE=DATE,
+        GIT_AUTHOR_NAME=name,
+        GIT_AUTHOR_EMAIL=email,
+        GIT_COMMITTER_NAME=name,
+        GIT_COMMITTER_EMAIL=email,
         GIT_CONFIG_GLOBAL=os.devnull,
         GIT_CONFIG_NOSYSTEM="1",
     )
+    if date is not None:
+        env.update(GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date)
     return env
 
 
-def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(["git", *args], cwd=repo, env=git_env(), capture_output=True, text=True)
+def git(
+    repo: Path, *args: str, check: bool = True, identity: str = PLACEHOLDER, date: str | None = DATE
+) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(["git", *args], cwd=repo, env=git_env(identity, date), capture_output=True, text=True)
     if check and out.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} in {repo} failed:\n{out.stdout}\n{out.stderr}")
     return out

@@ -33,8 +33,10 @@ class UpstreamPatch:
     #: Slugs of earlier patches this one needs; empty: it applies and passes on the pristine release alone.
     requires: tuple[str, ...] = ()
 
-    def message(self, signoff: str) -> str:
-        return f"{self.subject}\n\n{self.body.strip()}\n\nSigned-off-by: {signoff}\n"
+    def message(self, signoff: str, size: str = "") -> str:
+        """The commit message: subject, body, the size line ``make_patches`` measured, sign-off."""
+        size = f"\n\n{size}" if size else ""
+        return f"{self.subject}\n\n{self.body.strip()}{size}\n\nSigned-off-by: {signoff}\n"
 
 
 @dataclass(frozen=True)

@@ -2,149 +2,99 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from series import Series, UpstreamPatch, _copy_tests, _overlay_imports, _write_package
+from releases import git
+from series import Series, UpstreamPatch, _copy_tests
 from source_edit import (
+    EditError,
     constant,
     decorate_method,
     definitions,
-    module_source,
-    rename,
+    insert_before_def,
     replace_function,
     replace_once,
-    without_module_indirection,
 )
 
 # ---------------------------------------------------------------------------------------- torchvision
 
 TV_WIDTH = 120  # torchvision's black line length
-TV_PACKAGE = Path("torchvision/datasets/_safe_download")
-TV_RENAMES = {
-    "Exceptions raised by nemo_safe.": "Exceptions raised by torchvision's dataset downloads.",
-    "every error nemo_safe raises": "every error of a dataset download",
-    "~nemo_safe.": "~torchvision.datasets._safe_download.",
-    "NemoSafeError": "DownloadError",
-    ".nemo_safe": ".torchvision_download",
-    "NEMO_SAFE_BARRIER_TIMEOUT": "TORCHVISION_DOWNLOAD_TIMEOUT",
-    "NEMO_SAFE_STALE_AFTER": "TORCHVISION_DOWNLOAD_STALE_AFTER",
-    "NEMO_SAFE_": "TORCHVISION_",
-    "nemo_safe: ": "",
-    "nemo_safe-": "torchvision-",
-    "nemo_safe": "torchvision",
-}
-TV_INIT = '''"""Dataset files that stay correct when several processes download them at once.
-
-``atomic_files``: files are written under a temporary name and renamed into place when
-complete. ``single_flight``: one process downloads into a dataset folder while the others
-wait (used by the MNIST family through ``mnist_download``).
-"""
-'''
-TV_ERRORS_1 = (
-    "NemoSafeError",
-    "DownloadIncomplete",
-    "_typed",
-    "_download_incomplete_class",
-    "download_incomplete",
-    "_rebuild_download_incomplete",
-    "ChecksumMismatch",
-    "UnsafeArchivePath",
-)
-TV_ERRORS_2 = (*TV_ERRORS_1, "ConfigurationError", "LeaderFailed", "LeaderDeposed", "WaitTimeout")
-
-
-def without_leader_check(code: str) -> str:
-    """The overlay's functions without their ``check_still_leading`` calls (a single-flight concept)."""
-    return re.sub(r"^[ \t]*check_still_leading\([^)]*\)[^\n]*\n", "", code, flags=re.M)
+#: Patch 1: what nemo_safe/patches/torchvision_upstream.py holds, verbatim, and where it goes in utils.py.
+TV_UPSTREAM = "patches.torchvision_upstream"
+TV_HELPERS_BEFORE_URLRETRIEVE = ("_temp_sibling", "_atomic_path")
+TV_HELPERS_BEFORE_EXTRACTORS = ("_publish_tree", "_atomic_extractor")
+#: Patch 2: the lock (utils.py, from torchvision_upstream.py) and what mnist.py gets (torchvision_mnist_upstream.py).
+TV_LOCK = ("_DOWNLOAD_LOCK_TIMEOUT", "_read_lock", "_remove_lock", "_folder_state", "_download_lock")
+TV_MNIST_UPSTREAM = "patches.torchvision_mnist_upstream"
+TV_MNIST = ("_download_once", "_is_complete_idx")
+TV_ONCE_ADDED = 114
+#: Lines patch 1 adds outside tests (``git diff --numstat``), stated in its message; checked when it is made.
+TV_ATOMIC_ADDED = 75
 
 
 def _tv_atomic(tree: Path) -> None:
-    modules = {
-        "__init__": TV_INIT,
-        "errors": module_source("errors", keep=TV_ERRORS_1),
-        "atomic_files": module_source("atomic_files"),
-        "archive_members": module_source("archive_members"),
-    }
-    _write_package(tree, TV_PACKAGE, modules, TV_RENAMES, TV_WIDTH)
     path = tree / "torchvision/datasets/utils.py"
-    module = "patches.torchvision_downloads"
-    retrieve = definitions(module, ("urlretrieve",)).replace("def urlretrieve(", "def _urlretrieve(", 1)
-    decompress = definitions(module, ("decompress",)).replace("def decompress(", "def _decompress(", 1)
-    extractor = definitions(module, ("extract_tar_checked", "extract_zip_listed", "atomic_extractor"))
-    for name in ("extract_tar_checked", "extract_zip_listed", "atomic_extractor"):
-        extractor = re.sub(rf"\b{name}\b", f"_{name}", extractor)
-    # The single flight (and its deposed-leader check) comes with the next patch, for MNIST only.
-    retrieve, decompress, extractor = (without_leader_check(c) for c in (retrieve, decompress, extractor))
-    retrieve, decompress = (rename(without_module_indirection(c), TV_RENAMES) for c in (retrieve, decompress))
-    replace_function(path, "_urlretrieve", retrieve)
-    replace_function(path, "_decompress", decompress, keep_head=True)
-    replace_once(path, "_ARCHIVE_EXTRACTORS: dict[", rename(extractor, TV_RENAMES) + "\n\n_ARCHIVE_EXTRACTORS: dict[")
+    insert_before_def(path, "_urlretrieve", definitions(TV_UPSTREAM, TV_HELPERS_BEFORE_URLRETRIEVE))
+    replace_function(path, "_urlretrieve", definitions(TV_UPSTREAM, ("_urlretrieve",)))
+    replace_function(path, "_decompress", definitions(TV_UPSTREAM, ("_decompress",)), keep_head=True)
+    replace_once(
+        path,
+        "\n\n_ARCHIVE_EXTRACTORS: dict[",
+        "\n\n" + definitions(TV_UPSTREAM, TV_HELPERS_BEFORE_EXTRACTORS) + "\n\n_ARCHIVE_EXTRACTORS: dict[",
+    )
     replace_once(
         path,
         '    ".tar": _extract_tar,\n    ".zip": _extract_zip,\n',
-        '    ".tar": _atomic_extractor(_extract_tar_checked, _extract_tar),\n'
-        '    ".zip": _atomic_extractor(_extract_zip_listed(_extract_zip), _extract_zip),\n',
+        '    ".tar": _atomic_extractor(_extract_tar),\n    ".zip": _atomic_extractor(_extract_zip),\n',
     )
-    replace_once(
-        path,
-        "            _urlretrieve(url, fpath)\n        except (urllib.error.URLError, OSError) as e:",
-        "            _urlretrieve(url, fpath, md5=md5)\n        except (urllib.error.URLError, OSError) as e:",
-    )
-    replace_once(
-        path,
-        "                _urlretrieve(url, fpath)\n            else:",
-        "                _urlretrieve(url, fpath, md5=md5)\n            else:",
-    )
-    replace_once(
-        path,
-        "import bz2\nimport gzip\nimport hashlib\nimport lzma\n",
-        "import bz2\nimport functools\nimport gzip\nimport hashlib\nimport http.client\nimport lzma\n",
-    )
+    for indent, after in (
+        ("            ", "\n        except (urllib.error.URLError, OSError) as e:"),
+        ("                ", "\n            else:"),
+    ):
+        replace_once(
+            path, f"{indent}_urlretrieve(url, fpath){after}", f"{indent}_urlretrieve(url, fpath, md5=md5){after}"
+        )
+    replace_once(path, "import bz2\nimport gzip\n", "import bz2\nimport contextlib\nimport functools\nimport gzip\n")
     replace_once(path, "import re\nimport tarfile\n", "import re\nimport shutil\nimport tarfile\n")
-    imports = _overlay_imports(module, retrieve + decompress + extractor, "._safe_download", TV_WIDTH)
-    anchor = (
-        "from .._internally_replaced_utils import _download_file_from_remote_location, _is_remote_location_available\n"
-    )
-    replace_once(path, anchor, anchor + imports)
+    replace_once(path, "from collections.abc import Iterable\n", "from collections.abc import Iterable, Iterator\n")
+    added = int(git(tree, "diff", "--numstat", "--", "torchvision").stdout.split()[0])
+    if added != TV_ATOMIC_ADDED:
+        raise EditError(f"patch 1 adds {added} lines outside tests, its message says {TV_ATOMIC_ADDED}")
     _copy_tests("torchvision", tree, "test/test_datasets_utils_atomic.py")
 
 
-def _tv_single_flight(tree: Path) -> None:
-    modules = {
-        "errors": module_source("errors", keep=TV_ERRORS_2),
-        "waiting": module_source("waiting"),
-        "cluster_identity": module_source("cluster_identity"),
-        "idx_files": module_source("idx_files"),
-        "single_flight": module_source("single_flight"),
-        "mnist_download": module_source(
-            "patches.torchvision_mnist",
-            keep=(
-                "log",
-                "_warned",
-                "raw_files",
-                "preferred_leader",
-                "validating_check_exists",
-                "single_flight_download",
-            ),
-        ),
-    }
-    _write_package(tree, TV_PACKAGE, modules, TV_RENAMES, TV_WIDTH)
-    path = tree / "torchvision/datasets/mnist.py"
-    anchor = (
-        "from .utils import _flip_byte_order, check_integrity, download_and_extract_archive, extract_archive, "
-        "verify_str_arg\n"
-    )
-    replace_once(
-        path,
-        anchor,
-        "from ._safe_download.mnist_download import single_flight_download, validating_check_exists\n" + anchor,
-    )
-    # The classes whose own methods the overlay replaces (FashionMNIST and KMNIST inherit MNIST's).
+def _tv_download_once(tree: Path) -> None:
+    utils, mnist = tree / "torchvision/datasets/utils.py", tree / "torchvision/datasets/mnist.py"
+    insert_before_def(utils, "iterable_to_str", definitions(TV_UPSTREAM, TV_LOCK))
+    replace_once(utils, "import tarfile\nimport urllib\n", "import tarfile\nimport time\nimport urllib\n")
+    anchor = "\n\nclass MNIST(VisionDataset):"
+    replace_once(mnist, anchor, "\n\n" + definitions(TV_MNIST_UPSTREAM, TV_MNIST) + anchor)
+    # The classes with a download of their own (FashionMNIST and KMNIST inherit MNIST's).
     for cls in constant("patches.torchvision_mnist", "CLASSES"):
-        decorate_method(path, cls, "_check_exists", "validating_check_exists")
-        decorate_method(path, cls, "download", "single_flight_download")
-    _copy_tests("torchvision", tree, "test/test_datasets_download_race.py")
+        decorate_method(mnist, cls, "download", "_download_once")
+    replace_once(
+        mnist,
+        "            check_integrity(os.path.join(self.raw_folder, os.path.splitext(os.path.basename(url))[0]))\n",
+        "            _is_complete_idx(os.path.join(self.raw_folder, os.path.splitext(os.path.basename(url))[0]))\n",
+    )
+    old = "        return all(check_integrity(file) for file in (self.images_file, self.labels_file))\n"
+    new = "        return all(_is_complete_idx(file) for file in (self.images_file, self.labels_file))\n"
+    if mnist.read_text().count(old) != 2:
+        raise EditError(f"{mnist}: expected EMNIST's and QMNIST's _check_exists")
+    mnist.write_text(mnist.read_text().replace(old, new))
+    replace_once(mnist, "import codecs\nimport os\n", "import codecs\nimport functools\nimport os\n")
+    replace_once(
+        mnist,
+        "from .utils import _flip_byte_order, check_integrity, download_and_extract_archive, extract_archive, "
+        "verify_str_arg\n",
+        "from .utils import (\n    _download_lock,\n    _flip_byte_order,\n    check_integrity,\n"
+        "    download_and_extract_archive,\n    extract_archive,\n    verify_str_arg,\n)\n",
+    )
+    numstat = git(tree, "diff", "--numstat", "--", "torchvision").stdout.splitlines()
+    added = sum(int(line.split()[0]) for line in numstat)
+    if added != TV_ONCE_ADDED:
+        raise EditError(f"patch 2 adds {added} lines outside tests, its message says {TV_ONCE_ADDED}")
+    _copy_tests("torchvision", tree, "test/test_datasets_download_lock.py", "test/test_datasets_download_race.py")
 
 
 TORCHVISION = Series(
@@ -156,68 +106,151 @@ TORCHVISION = Series(
         UpstreamPatch(
             "datasets-atomic-files",
             "datasets: publish downloaded, decompressed and extracted files atomically",
-            """
-_urlretrieve() opens the final path with "wb" and streams into it, and
-_decompress() opens the final raw file with "wb" before decompressing, as
-do the tar and zip extractors. A second process building the same dataset
-(every rank of a DDP job with download=True, see pytorch/tutorials#3065,
-pytorch/examples#1403, pytorch/pytorch#68320 and the warning added for
-#8707), or a download that breaks off, or a killed process, leaves an empty,
-truncated or mixed file under the final name, and later runs fail on it with
-"File not found or corrupted." or crash while loading.
+            f"""
+_urlretrieve() opens the final path with "wb" and streams the response
+into it, _decompress() opens the final file with "wb" before
+decompressing, and the tar and zip extractors write in place. So while a
+file is being written, every other process sees it under its final name,
+empty or partial. With download=True on every rank of a DDP job (see the
+warning added in #8707/#8709, pytorch/tutorials#3065/#3066,
+pytorch/examples#1403/#1411 and pytorch/pytorch#68320), a rank that finds
+the file present loads it half-written, or truncates it for the rank still
+writing it. A download that breaks off, or a killed process, leaves a
+partial file that the next run takes as present; when the server closes
+the connection early and no md5 is given, download_url() even returns
+normally with a truncated file.
 
-Write every such file under a temporary sibling name that carries the
-writer's host and pid (.tmp.<name>~<host>~<pid>~<random>) and rename it
-into place only when it is complete: all Content-Length bytes arrived and,
-when download_url() was given an md5, the md5 matches (download_url() now
-passes it to _urlretrieve()). Same-directory rename is atomic on local
-filesystems, NFS, Lustre and GPFS, so a reader sees no file or a complete
-one. Extraction goes into a temporary folder inside the destination and is
-renamed file by file. Temporaries of dead writers on the same host are
-removed on the next write into that directory. A broken-off download raises
-DownloadIncomplete and a wrong md5 ChecksumMismatch, both RuntimeErrors, so
-the mirror loops of the datasets go on to the next mirror as before.
+Write each of these files under a hidden temporary name in the same
+directory (.<name>.<pid>.<random>.partial, unique per process and call)
+and os.replace() it into place only when it is complete, so a reader sees
+no file or the whole file. The temporary is removed on any error. Tar and
+zip archives are extracted into such a temporary folder inside the
+destination, then each file is moved into place (new directories are
+created with the default mode, not the archive's).
 
-Tested: test/test_datasets_utils_atomic.py serves files from a local HTTP
-server on 127.0.0.1: a connection dropped mid-file and bytes with a wrong
-md5 must leave no file under the final name (both fail before this change),
-a good download and an extraction must leave the files and no temporaries.
+_urlretrieve() now checks that all Content-Length bytes arrived; a short
+body raises urllib.error.ContentTooShortError, urllib's own error for this
+(a URLError, so download_url()'s https-to-http retry and the mirror loops
+treat it as any connection error). Errors raised while reading the body
+propagate unchanged. download_url() passes its md5 to _urlretrieve(), which
+checks it before publishing: a mismatch raises RuntimeError("File not found
+or corrupted.") as before, but no longer leaves the wrong file behind.
+
+No directory is listed and nothing is cleaned up on the download path: a
+process killed mid-download leaves its hidden temporary file (or folder,
+for an extraction) behind, and it is never taken for the dataset file.
+Nothing POSIX-only is used (os.replace, os.makedirs, shutil.rmtree), so
+this works on Windows too.
+
+{TV_ATOMIC_ADDED} added lines outside tests, all in torchvision/datasets/utils.py.
+
+Tested: test/test_datasets_utils_atomic.py, with urllib.request.urlopen
+mocked (no network, one process, under a second): a body shorter than its
+Content-Length, a connection reset mid-body and a wrong md5 must raise
+(ContentTooShortError, ConnectionResetError, RuntimeError) and leave no
+file; while a file is downloaded, decompressed or extracted from a tar or
+zip archive, the final path must never hold a partial file (the fake
+response, the decompressor and the archive copy look at it on every read);
+a truncated archive must leave nothing in the destination; a good download
+and an extraction into an existing folder must leave exactly the expected
+files. Before this change the first eight fail on their assertions.
 """,
             _tv_atomic,
+            tests=("test/test_datasets_utils_atomic.py",),
+            race_tests=tuple(
+                f"test/test_datasets_utils_atomic.py::{name}"
+                for name in (
+                    "test_download_url_short_body_raises_and_publishes_nothing",
+                    "test_download_url_read_error_propagates_and_publishes_nothing",
+                    "test_download_url_wrong_md5_raises_and_publishes_nothing",
+                    "test_download_url_never_shows_a_partial_file",
+                    "test_decompress_never_shows_a_partial_file",
+                    "test_extract_tar_never_shows_a_partial_file",
+                    "test_extract_zip_never_shows_a_partial_file",
+                    "test_failed_extraction_publishes_nothing",
+                )
+            ),
         ),
         UpstreamPatch(
-            "mnist-single-flight",
+            "mnist-download-once",
             "datasets: download the MNIST family once per root across processes",
-            """
-With download=True every process that builds MNIST (and FashionMNIST,
-KMNIST, EMNIST, QMNIST) downloads and extracts the same files at once, as
-the FSDP tutorial's mp.spawn workers do (pytorch/tutorials#3065,
-pytorch/examples#1403); EMNIST even removes raw/gzip while other processes
-still extract from it. _check_exists() only tests that the raw files exist,
-so an empty or truncated raw file left by a killed process crashes every
-later load instead of being rebuilt.
+            f"""
+With download=True every process that builds MNIST (or FashionMNIST,
+KMNIST, EMNIST, QMNIST) downloads and extracts the same files into the
+same root at once: every rank of a DDP job, as the FSDP tutorial's
+mp.spawn workers do (pytorch/tutorials#3065/#3066, pytorch/examples
+#1403/#1411; the documentation only warns about it since #8707/#8709).
+Before the previous commit they overwrote each other's files; with it,
+the files are safe but every process still fetches the whole dataset, and
+EMNIST removes raw/gzip while other processes may still extract from it.
+_check_exists() only tests that the raw files exist, so an empty or
+truncated raw file left by an interrupted run crashes every later load,
+and download=True does not repair it.
 
-download() now runs through a single flight in root/<Class>/: the first
-process to create .torchvision_download/download.<generation> with link(2)
-(atomic on local disks, NFS, Lustre and GPFS; no file locks) downloads and
-extracts, the others wait and load the result. The leader rewrites its lock
-every second with a growing beat, so a killed leader is replaced after
-TORCHVISION_DOWNLOAD_STALE_AFTER seconds (30) without trusting mtimes or
-other hosts' clocks, or after 3 s when it ran on this host and its pid is
-gone; an error of the leader reaches every waiting process with its message.
-Rank 0 (or local rank 0, from the launcher's variables or an initialized
-process group) gets a short head start; with no rank known, correctness does
-not depend on who leads. _check_exists() also checks each raw IDX file's
-size against its header, so download=True rebuilds a truncated file.
+download() of MNIST, EMNIST and QMNIST (FashionMNIST and KMNIST inherit
+MNIST's) is wrapped by _download_once: if _check_exists(), return; else
+take utils._download_lock(root/<Class>) and, if _check_exists() is still
+false, run the original download(). The first process downloads; the
+others wait for it and then find the files complete.
 
-Tested: test/test_datasets_download_race.py serves MNIST-format files from a
-throttled HTTP server on 127.0.0.1 and starts 4 processes with torchrun, rank
-i starting i * 1.5 s late while the largest file takes 2 s: every process
-must load the right data and each file must be served once. Before this
-change later ranks truncate the file earlier ranks are still writing and
-fail with "File not found or corrupted." or load wrong data.
+_download_lock(folder) creates the hidden file folder/.download.lock with
+os.open(O_CREAT | O_EXCL) (atomic on local disks and NFSv3+; no fcntl or
+flock, no hard links, nothing POSIX-only, so it works on Windows) and
+writes a random token into it. The others poll it (10 ms, doubling up to
+1 s). The holder removes the lock when done, only if it still holds its
+own token. If the download raises, the holder appends the error to the
+lock instead: a process that saw that token hold the lock raises
+RuntimeError with the holder's message, instead of every waiter retrying
+a failing download in turn; a process that arrives later, not having seen
+that holder, takes the lock over and tries again. A holder that was killed
+leaves its lock behind: a waiter takes it over (removes it if the content
+is unchanged, then competes for it again) once neither the lock nor the
+names and sizes of the files under the folder changed for 60 s; a download
+in progress grows its temporary file (previous commit) all the time. So a
+killed holder costs the others 60 s. Should a slow holder be taken over
+wrongly, two processes download at once, which the previous commit makes
+safe. Waiting is bounded by _DOWNLOAD_LOCK_TIMEOUT (30 min), then a
+RuntimeError names the lock file.
+
+No threads, no logging and no launcher detection (RANK, SLURM_PROCID,
+...): the lock does not need to know how many processes there are or
+which rank downloads, and it also covers processes started with mp.spawn
+before init_process_group and roots shared by several jobs.
+
+This is on by default: it only acts with download=True when the files are
+missing or incomplete, where the alternative is N concurrent downloads
+of the same data; when the dataset is complete, download() returns before
+touching the lock, so read-only roots keep working.
+
+_check_exists() now checks each raw file's size against its IDX header
+(_is_complete_idx, using SN3_PASCALVINCENT_TYPEMAP), so download=True
+downloads a truncated file again instead of loading it.
+
+{TV_ONCE_ADDED} added lines outside tests, in torchvision/datasets/utils.py and mnist.py.
+
+Tested: test/test_datasets_download_lock.py, one process, under 15 s,
+with another process played by the test writing the lock file itself: a
+held lock is waited for and released; an abandoned lock is taken over
+after `stale`, a growing download in the folder is not; the holder's
+error reaches a waiter that saw it hold the lock, while an old failure
+does not make a later attempt raise; the wait is bounded; each of the five
+classes waits for the other process's download instead of downloading
+(download_and_extract_archive mocked); a truncated raw file is downloaded
+again; a complete dataset takes no lock. test/test_datasets_download_race.py
+serves MNIST-format files from a throttled HTTP server on 127.0.0.1 and
+starts 4 processes with torchrun, rank i starting i * 1.5 s late while the
+largest file takes 2 s: every process must load the right data and each
+file must be served once. Before this change the race test, the five
+waiting tests and the truncated-file test fail.
 """,
-            _tv_single_flight,
+            _tv_download_once,
+            tests=("test/test_datasets_download_lock.py", "test/test_datasets_download_race.py"),
+            race_tests=(
+                "test/test_datasets_download_race.py::test_mnist_download_from_concurrent_processes",
+                "test/test_datasets_download_lock.py::test_dataset_waits_for_another_process_downloading_it",
+                "test/test_datasets_download_lock.py::test_truncated_raw_file_is_downloaded_again",
+            ),
+            requires=("datasets-atomic-files",),
         ),
     ),
 )

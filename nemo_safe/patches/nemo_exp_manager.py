@@ -10,10 +10,11 @@ changes what it does:
 * ``time`` becomes a stand-in whose ``sleep`` skips upstream's fixed
   ``seconds_to_sleep`` on ranks that were ordered (and counts what a rank
   already waited where it could not be);
-* ``exp_manager`` itself sets up the call and, under srun, where nothing
-  exports ``LOCAL_RANK`` before ``fit()``, runs with the launcher's local rank
-  exported: upstream names every task of a node
-  ``nemo_log_globalrank-<node*devices>_localrank-0.txt`` (NeMo #8333).
+* ``exp_manager`` itself sets up the call and, where nothing exports
+  ``LOCAL_RANK`` before ``fit()`` (srun, mpirun), runs with the trainer's local
+  rank exported (else the launcher's): upstream names every task of a node
+  ``nemo_log_globalrank-<node*devices>_localrank-0.txt`` (NeMo #8333; the
+  upstream change takes ``LOCAL_RANK``, else ``trainer.local_rank``).
 
 Without a multi-process launcher (one process, Lightning's own local launcher
 before ``fit()``, an interactive SLURM shell) nothing changes.
@@ -43,6 +44,9 @@ MODULE = "nemo.utils.exp_manager"
 #: Launchers whose global rank NeMo reads (is_global_rank_zero) but whose local rank nobody exports
 #: before fit(): there upstream names every task of a node after its first rank (NeMo #8333).
 LOCAL_RANK_FIXED_FOR = ("slurm", "openmpi")
+#: What NeMo's is_global_rank_zero() reads before NODE_RANK + LOCAL_RANK: where one of them is set, exporting
+#: LOCAL_RANK changes the per-rank log file's name and logging.rank only.
+GLOBAL_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 #: sha256 of the sources of ``check_resume`` and ``get_log_dir`` of the releases this patch was verified against.
 KNOWN_SOURCES = {
@@ -143,37 +147,46 @@ def _make_check_resume(original: Callable[..., Any]) -> Callable[..., Any]:
     return check_resume
 
 
-def local_rank_from_launcher() -> int:
-    """``LOCAL_RANK``, or else the local rank of a launcher whose global rank NeMo reads.
-
-    exp_manager runs before ``fit()``, and under ``srun`` (or ``mpirun``) nothing has
-    exported ``LOCAL_RANK`` yet: taking 0 gives every task of a node the same global
-    rank and the same ``nemo_log_globalrank-*_localrank-0.txt`` file.
-    """
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    ident = cluster_identity.detect()
-    return ident.local_rank if ident.launcher in LOCAL_RANK_FIXED_FOR else 0
+def _trainer_local_rank(trainer: Any) -> int:
+    """``trainer.local_rank`` (Lightning's cluster environment: SLURM_LOCALID, ...), 0 where it has none."""
+    try:
+        rank = trainer.local_rank
+    except Exception:  # a trainer-like object without one: upstream's default
+        return 0
+    return rank if isinstance(rank, int) and rank > 0 else 0
 
 
-def _launcher_local_rank() -> int | None:
-    """The local rank to export while exp_manager runs, or None to leave the environment alone."""
-    if "LOCAL_RANK" in os.environ:
-        return None
+def _launcher_local_rank() -> int:
+    """The local rank of a multi-process launcher whose global rank NeMo reads (srun, mpirun), else 0."""
     try:
         ident = cluster_identity.detect()
     except ValueError:  # unusable launcher variables: upstream's default
-        return None
+        return 0
     if ident.launcher not in LOCAL_RANK_FIXED_FOR or not ident.is_multi_process:
+        return 0
+    return ident.local_rank
+
+
+def log_local_rank(trainer: Any) -> int | None:
+    """The local rank to export as ``LOCAL_RANK`` while exp_manager runs, or None to leave the environment alone.
+
+    Upstream (after the NeMo change "exp_manager: take the per-rank log file's local rank from the
+    trainer") names the per-rank log file by ``LOCAL_RANK``, else ``trainer.local_rank``. So does this,
+    and where the trainer reports 0 it takes the launcher's local rank: Lightning's single-device strategy
+    reports 0 in every task of an srun step of one-device trainers, and Lightning does not detect mpirun
+    without mpi4py. Only where ``is_global_rank_zero()`` does not read ``LOCAL_RANK`` (see
+    :data:`GLOBAL_RANK_VARIABLES`), so the export changes the file name and ``logging.rank``, nothing else.
+    """
+    if "LOCAL_RANK" in os.environ or not any(name in os.environ for name in GLOBAL_RANK_VARIABLES):
         return None
-    return local_rank_from_launcher()
+    return _trainer_local_rank(trainer) or _launcher_local_rank() or None
 
 
 def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Callable[..., Any]:
     def exp_manager(trainer: Any, cfg: Any = None) -> Any:
         stack = _calls.__dict__.setdefault("stack", [])
         stack.append(_Call(nemo_resume_order.seconds_to_sleep(cfg), module.is_global_rank_zero))
-        local_rank = _launcher_local_rank()
+        local_rank = log_local_rank(trainer)
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = str(local_rank)  # upstream names its per-rank log file by it
         error: BaseException | None = None

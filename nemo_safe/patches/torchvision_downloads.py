@@ -6,14 +6,23 @@ reads or writes it), and ``_decompress`` opens the final raw file "wb" before
 decompressing into memory; the tar/zip extractors write in place too. So a
 second process, or a killed one, leaves empty or truncated files behind.
 
-Here every one of those files is written under a temporary name in its own
-directory (``.tmp.<name>~<host>@<pid namespace>~<pid>~<random>``) and renamed
-into place only when complete: all announced bytes arrived and, when the caller
-gave an md5, the md5 matches. Temporaries of dead writers are swept on the next
-write into that directory, never published. Archives are extracted into a
-staging folder after their members were checked (nothing outside the
-destination, as Python 3.14's tarfile data filter), and published only when
-the folder still holds every member.
+The functions that do it here are the ones the upstream pull request puts into
+``torchvision/datasets/utils.py`` (:mod:`nemo_safe.patches.torchvision_upstream`:
+``_urlretrieve``, ``_decompress``, ``_atomic_extractor``), run with that module's
+globals as they would run there. Only the helpers they call by name are the
+overlay's: :func:`atomic_path` and :func:`temp_sibling` name the temporary after its
+writer (``.tmp.<name>~<host>@<pid namespace>~<pid>~<random>``) and sweep the
+temporaries of dead writers in that directory first, and publish only while this
+process still leads its single flight (a deposed leader publishes nothing);
+:func:`publish_tree` checks the staging folder still holds every member before
+moving it into place. Tar members are checked before they are extracted (nothing
+outside the destination, as Python 3.14's tarfile data filter).
+
+A download is published only when all announced bytes arrived
+(``urllib.error.ContentTooShortError`` otherwise, an ``OSError``) and, when the
+caller gave an md5, the md5 matches (``RuntimeError("File not found or corrupted.")``
+otherwise, as upstream's ``download_url``); errors while reading the body keep their
+own type.
 
 Patched are the names the helpers look up at call time in
 ``torchvision.datasets.utils`` (``_urlretrieve``, ``_decompress``, the entries
@@ -27,24 +36,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import http.client
 import inspect
 import logging
 import os
-import pathlib
-import shutil
 import sys
 import tarfile
 import threading
-import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 from nemo_safe.archive_members import checked_tar_members, zip_names
-from nemo_safe.atomic_files import merge_tree, owned_temp_name, seal, sibling_temp, sweep_stale_temps, unlink_if_exists
-from nemo_safe.errors import ChecksumMismatch, download_incomplete
+from nemo_safe.atomic_files import merge_tree, seal, sibling_temp, unlink_if_exists
+from nemo_safe.patches import torchvision_upstream
+from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Patch, Replacements
 from nemo_safe.single_flight import check_still_leading
 
@@ -53,6 +59,8 @@ log = logging.getLogger(__name__)
 MODULE = "torchvision.datasets.utils"
 PACKAGE = "torchvision.datasets"
 CHECKED = ("_urlretrieve", "_decompress", "download_url", "extract_archive", "_extract_tar", "_extract_zip")
+#: The upstream functions the overlay runs (from :mod:`nemo_safe.patches.torchvision_upstream`).
+SHARED = ("_urlretrieve", "_decompress", "_atomic_extractor")
 
 #: sha256 over the sources of CHECKED, for the releases this patch was verified against.
 KNOWN_UTILS = {
@@ -61,6 +69,8 @@ KNOWN_UTILS = {
 
 _expected = threading.local()
 _ORIGINAL_DECOMPRESS: list[Callable[..., Any]] = []
+#: Staging folder -> the members its checked extraction created (read by :func:`publish_tree`).
+_extracted: dict[str, list[str]] = {}
 
 
 def source_digest(module: ModuleType) -> str:
@@ -97,153 +107,95 @@ def _md5_for(path: str) -> str | None:
     return (getattr(_expected, "table", None) or {}).get(path)
 
 
-def urlretrieve(
-    url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32, md5: str | None = None
-) -> None:
-    """Download ``url`` to ``filename`` so that ``filename`` never holds a partial or wrong file.
+# -- the helpers the upstream functions call by name, in the overlay's versions -----------------------------------
 
-    The bytes go to a temporary sibling (the writer's host and pid in its name) and are renamed
-    into place only when all announced bytes arrived and, given ``md5``, the md5 matches. Other
-    processes reading or downloading the same file at the same time never see a partial one.
 
-    Errors keep upstream's types (see :class:`~nemo_safe.errors.DownloadIncomplete`): a body that
-    breaks off raises ``DownloadIncomplete`` that is also the type of what broke it off (a
-    ``ConnectionResetError`` stays one, so ``download_url`` still retries ``https`` over ``http``);
-    a body that ends early without an error (upstream: a silently truncated file) raises a plain
-    ``DownloadIncomplete``, a ``RuntimeError`` and an ``OSError``; a wrong md5 raises
-    ``ChecksumMismatch``, a ``RuntimeError`` as upstream's "File not found or corrupted.".
-    Errors opening the URL (``URLError``, ``HTTPError``) and writing the file are upstream's own.
-    """
-    utils = sys.modules[MODULE]
-    check_still_leading()  # a download leader taken over while stalled fetches nothing more
-    final = os.path.abspath(os.fspath(filename))
-    tmp = sibling_temp(final)
-    digest = hashlib.md5(usedforsecurity=False)
-    received = 0
+def temp_sibling(path: str | os.PathLike[str]) -> str:
+    """Upstream's ``_temp_sibling``: here named after its writer, after sweeping dead writers' temporaries
+    in that directory (:func:`~nemo_safe.atomic_files.sibling_temp`)."""
+    return sibling_temp(os.path.abspath(os.fspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Upstream's ``_atomic_path``: a temporary sibling (:func:`temp_sibling`) made durable and renamed to
+    ``path`` when the block succeeds, removed otherwise. A single-flight leader taken over while stalled
+    writes nothing more and publishes nothing (:func:`~nemo_safe.single_flight.check_still_leading`)."""
+    check_still_leading()
+    final = os.path.abspath(os.fspath(path))
+    tmp = temp_sibling(final)
     try:
-        request = urllib.request.Request(url, headers={"User-Agent": utils.USER_AGENT})
-        with urllib.request.urlopen(request) as response:
-            announced = response.length
-            with open(tmp, "xb") as fh, utils.tqdm(total=announced, unit="B", unit_scale=True) as pbar:
-                while True:
-                    try:
-                        chunk = response.read(chunk_size)
-                    except (http.client.HTTPException, OSError) as exc:  # not fh.write's errors: those are ours
-                        raise download_incomplete(
-                            f"download of {url} broke off after {received} bytes ({type(exc).__name__}: {exc}); "
-                            f"nothing was written to {final}. Retry, or check the server.",
-                            exc,
-                        ) from exc
-                    if not chunk:
-                        break
-                    check_still_leading(look=False)
-                    fh.write(chunk)
-                    digest.update(chunk)
-                    received += len(chunk)
-                    pbar.update(len(chunk))
-        if announced is not None and received != announced:
-            raise download_incomplete(
-                f"download of {url} ended after {received} of {announced} bytes; nothing was written to "
-                f"{final}. Retry, or check the server or proxy."
-            )
-        if md5 is not None and digest.hexdigest() != md5:
-            raise ChecksumMismatch(
-                f"File not found or corrupted: {url} has md5 {digest.hexdigest()} ({received} bytes), expected "
-                f"{md5}; nothing was written to {final}. The mirror serves other bytes than the dataset "
-                "declares: try another mirror."
-            )
+        yield tmp
         check_still_leading()
         seal(tmp, final)
     finally:
         unlink_if_exists(tmp)
 
 
-def decompress(
-    from_path: str | os.PathLike[str],
-    to_path: str | os.PathLike[str] | None = None,
-    remove_finished: bool = False,
-) -> pathlib.Path:
-    """Decompress ``from_path`` into a temporary sibling of ``to_path``, renamed into place when complete."""
-    utils = sys.modules[MODULE]
-    suffix, archive_type, compression = utils._detect_file_type(from_path)
-    if not compression:
-        raise RuntimeError(f"Couldn't detect a compression from suffix {suffix}.")
-
-    if to_path is None:
-        to_path = pathlib.Path(os.fspath(from_path).replace(suffix, archive_type if archive_type is not None else ""))
-
-    # We don't need to check for a missing key here, since this was already done in _detect_file_type()
-    compressed_file_opener = utils._COMPRESSED_FILE_OPENERS[compression]
-
-    # Decompress into a temporary sibling, streamed, and rename it into place when complete.
-    final = os.path.abspath(os.fspath(to_path))
-    tmp = sibling_temp(final)
-    try:
-        with compressed_file_opener(from_path, "rb") as rfh, open(tmp, "xb") as wfh:
-            shutil.copyfileobj(rfh, wfh, 1 << 20)
-        check_still_leading()
-        seal(tmp, final)
-    finally:
-        unlink_if_exists(tmp)
-
-    if remove_finished:
-        check_still_leading()
-        os.remove(from_path)
-
-    return pathlib.Path(to_path)
+def publish_tree(staging: str, dest: str | os.PathLike[str]) -> None:
+    """Upstream's ``_publish_tree``: :func:`~nemo_safe.atomic_files.merge_tree` (new directories renamed
+    whole with the archive's modes, no writing through a symlink leading out, and raising when the staging
+    folder lost any member its extraction created), by a process that still leads its single flight."""
+    members = _extracted.pop(staging, ())
+    check_still_leading()
+    merge_tree(staging, os.path.abspath(os.fspath(dest)), members)
 
 
-def extract_tar_checked(from_path: Any, to_path: Any, compression: str | None) -> list[str]:
+def shared_functions(utils: ModuleType) -> dict[str, Callable[..., Any]]:
+    """The upstream functions of :data:`SHARED`, running in ``utils`` with the overlay's helpers."""
+    helpers = {"_temp_sibling": temp_sibling, "_atomic_path": atomic_path, "_publish_tree": publish_tree}
+    return run_in(torchvision_upstream, utils, SHARED, helpers)
+
+
+def with_expected_md5(urlretrieve: Callable[..., None]) -> Callable[..., None]:
+    """What replaces ``utils._urlretrieve``: upstream 0.29.1's ``download_url`` does not pass the md5 to it,
+    so the md5 comes from the :func:`md5_aware` wrapper around ``download_url`` in this thread."""
+
+    @functools.wraps(urlretrieve)
+    def _urlretrieve(url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32) -> None:
+        urlretrieve(url, filename, chunk_size, md5=_md5_for(os.path.abspath(os.fspath(filename))))
+
+    return _urlretrieve
+
+
+def leader_removes(decompress: Callable[..., Any]) -> Callable[..., Any]:
+    """``_decompress`` whose ``remove_finished`` removes the compressed file only while this process
+    still leads its single flight."""
+
+    @functools.wraps(decompress)
+    def _decompress(from_path: Any, to_path: Any = None, remove_finished: bool = False) -> Any:
+        out = decompress(from_path, to_path, remove_finished=False)
+        if remove_finished:
+            check_still_leading()
+            os.remove(from_path)
+        return out
+
+    _decompress.__nemo_safe__ = True  # type: ignore[attr-defined]  (a reload's bindings recognise it)
+    return _decompress
+
+
+def extract_tar_checked(from_path: Any, to_path: Any, compression: str | None) -> None:
     """``_extract_tar`` of torchvision 0.29.1 (verified source) with each member checked before it
     is extracted (:func:`~nemo_safe.archive_members.checked_tar_members`: one pass over the
-    archive, as upstream's); returns the paths it created."""
+    archive, as upstream's); records the paths it created for :func:`publish_tree`."""
     names: list[str] = []
     with tarfile.open(from_path, f"r:{compression[1:]}" if compression else "r") as tar:
         tar.extractall(to_path, members=checked_tar_members(tar, os.fspath(from_path), names))
-    return names
+    _extracted[os.fspath(to_path)] = names
 
 
-def extract_zip_listed(original: Callable[..., None]) -> Callable[..., list[str]]:
-    """Upstream's zip extractor, returning the paths it creates (from the central directory)."""
-
-    def extract(from_path: Any, to_path: Any, compression: str | None) -> list[str]:
-        with zipfile.ZipFile(from_path) as archive:
-            names = zip_names(archive)
-        original(from_path, to_path, compression)
-        return names
-
-    return extract
-
-
-def atomic_extractor(extract_into: Callable[..., list[str]], original: Callable[..., None]) -> Callable[..., None]:
-    """Make an archive extractor publish atomically: ``extract_into`` extracts into a temporary
-    folder inside the destination and returns the paths it created; then each file (or new
-    directory) is renamed into place, so no reader sees a partially written file, nothing is
-    written outside the destination, and a staging folder that lost members (removed by another
-    process) raises instead of publishing a partial tree."""
+def extract_zip_listed(original: Callable[..., None]) -> Callable[..., None]:
+    """Upstream's zip extractor, recording the paths it creates (from the central directory) for
+    :func:`publish_tree`."""
 
     @functools.wraps(original)
     def extract(from_path: Any, to_path: Any, compression: str | None) -> None:
-        dest = os.path.abspath(os.fspath(to_path))
-        os.makedirs(dest, exist_ok=True)
-        sweep_stale_temps(dest)
-        staging = os.path.join(dest, owned_temp_name(os.path.basename(os.fspath(from_path))))
-        os.mkdir(staging)
-        try:
-            members = extract_into(from_path, staging, compression)
-            check_still_leading()
-            merge_tree(staging, dest, members)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with zipfile.ZipFile(from_path) as archive:
+            names = zip_names(archive)
+        original(from_path, to_path, compression)
+        _extracted[os.fspath(to_path)] = names
 
     return extract
-
-
-def _urlretrieve_expecting_md5(url: str, filename: str | os.PathLike[str], chunk_size: int = 1024 * 32) -> None:
-    """What replaces ``utils._urlretrieve``: upstream's ``download_url`` does not pass the md5 to it,
-    so the md5 comes from the :func:`md5_aware` wrapper around ``download_url`` in this thread."""
-    md5 = _md5_for(os.path.abspath(os.fspath(filename)))
-    urlretrieve(url, filename, chunk_size, md5=md5)
 
 
 def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
@@ -278,12 +230,13 @@ def _apply_utils(utils: ModuleType) -> Replacements | None:
     _ORIGINAL_DECOMPRESS[:] = [utils._decompress]
     changes = Replacements(f"atomic downloads and extraction ({known})")
     changes.expect(utils, "_ARCHIVE_EXTRACTORS")
-    changes.set(utils, "_urlretrieve", _urlretrieve_expecting_md5)
-    changes.set(utils, "_decompress", decompress)
+    shared = shared_functions(utils)
+    changes.set(utils, "_urlretrieve", with_expected_md5(shared["_urlretrieve"]))
+    changes.set(utils, "_decompress", leader_removes(shared["_decompress"]))
     changes.set(utils, "download_url", md5_aware(utils.download_url))
-    listed = {".tar": lambda _: extract_tar_checked, ".zip": extract_zip_listed}
+    checked = {".tar": lambda _: extract_tar_checked, ".zip": extract_zip_listed}
     for suffix, extractor in list(utils._ARCHIVE_EXTRACTORS.items()):
-        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, atomic_extractor(listed[suffix](extractor), extractor))
+        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, shared["_atomic_extractor"](checked[suffix](extractor)))
     return changes
 
 
@@ -294,6 +247,12 @@ def _bound_from(utils: ModuleType, attr: str, value: object) -> bool:
     except ValueError:
         return False
     return getattr(function, "__name__", None) == attr and getattr(function, "__globals__", None) is vars(utils)
+
+
+def _ours(attr: str, value: object) -> bool:
+    """Whether ``value`` is this patch's replacement of ``utils.<attr>`` from an earlier application
+    (before a reload of ``utils`` made new ones)."""
+    return getattr(value, "__nemo_safe__", False) is True and getattr(value, "__name__", None) == attr
 
 
 def _apply_bindings(package: ModuleType) -> Replacements | None:
@@ -317,7 +276,7 @@ def _apply_bindings(package: ModuleType) -> Replacements | None:
             # A module imported after the utils patch bound the patched function already;
             # record it too, so that undo restores the original there as well.
             bound = getattr(module, attr, None)
-            if bound is original or bound is patched or _bound_from(utils, attr, bound):
+            if bound is original or bound is patched or _bound_from(utils, attr, bound) or _ours(attr, bound):
                 changes.set(module, attr, patched, original=original)
                 found = True
         rebound += found

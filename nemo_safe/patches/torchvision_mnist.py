@@ -6,28 +6,34 @@ and ``_check_exists()`` only tests that the raw files exist, so an empty or
 truncated one left by a killed process crashes every later load. EMNIST even
 ``rmtree``s ``raw/gzip`` while other processes still extract from it.
 
-Here ``download`` goes through :class:`~nemo_safe.single_flight.SingleFlight`
-in ``root/<Class>/``: one process downloads and extracts (rank 0 preferred when
-a rank is known), the others wait and load. ``_check_exists`` also validates
-the IDX header against the file size, so an invalid raw file is rebuilt by
-``download=True`` instead of crashing at load. Whether every rank builds the
-dataset, whether the root is shared or node-local, and whether any rank is
-known at all does not matter for correctness.
+Here ``download`` is decorated as the upstream pull request decorates it
+(:mod:`nemo_safe.patches.torchvision_mnist_upstream`: ``_download_once``, the same
+code), with the overlay's ``_download_lock``: :class:`~nemo_safe.single_flight.SingleFlight`
+in ``root/<Class>/``. One process downloads and extracts (rank 0 preferred when
+a rank is known), the others wait and load. ``_check_exists`` also runs upstream's
+``_is_complete_idx`` on each raw file (its size against its IDX header), so an
+invalid raw file is rebuilt by ``download=True`` instead of crashing at load.
+Whether every rank builds the dataset, whether the root is shared or node-local,
+and whether any rank is known at all does not matter for correctness.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from nemo_safe import cluster_identity, idx_files
-from nemo_safe.errors import NemoSafeError
+from nemo_safe import cluster_identity
+from nemo_safe.errors import LeaderDeposed, NemoSafeError
+from nemo_safe.patches import torchvision_mnist_upstream
+from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Patch, Replacements
 from nemo_safe.single_flight import SingleFlight
 
@@ -37,12 +43,16 @@ MODULE = "torchvision.datasets.mnist"
 #: Classes whose own ``download`` / ``_check_exists`` are replaced; FashionMNIST and KMNIST inherit MNIST's.
 CLASSES = ("MNIST", "EMNIST", "QMNIST")
 METHODS = ("download", "_check_exists")
+#: The upstream functions the overlay runs (from :mod:`nemo_safe.patches.torchvision_mnist_upstream`).
+SHARED = ("_download_once", "_is_complete_idx")
 
 KNOWN_MNIST = {
     "9246d36e12ff12a6e2b2cc754fd713987e934fe95a9a3d0b57fb9cbb4afb9d0c": "torchvision 0.29.1",
 }
 
 _warned: set[str] = set()
+#: ``.dataset``: the dataset whose ``download()`` runs in this thread (what :func:`download_lock` waits for).
+_downloading = threading.local()
 
 
 def source_digest(module: ModuleType) -> str:
@@ -84,16 +94,41 @@ def preferred_leader() -> bool | None:
     return None
 
 
-def validating_check_exists(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def shared_functions(mnist: ModuleType) -> dict[str, Callable[..., Any]]:
+    """The upstream functions of :data:`SHARED`, running in ``mnist`` with the overlay's ``_download_lock``."""
+    return run_in(torchvision_mnist_upstream, mnist, SHARED, {"_download_lock": download_lock})
+
+
+@contextlib.contextmanager
+def download_lock(folder: str) -> Iterator[None]:
+    """Upstream's ``_download_lock``, as :meth:`SingleFlight.hold <nemo_safe.single_flight.SingleFlight.hold>`
+    in ``folder``: the block runs in the process that leads (rank 0 preferred); the others return once the
+    dataset's ``_check_exists()`` holds (the block then skips the download) or raise the leader's error
+    (:class:`~nemo_safe.errors.LeaderFailed`). The dataset is the one whose ``download()`` runs in this thread."""
+    dataset = _downloading.dataset
+    folder = os.path.abspath(folder)
+    what = f"{type(dataset).__name__} download into {folder}"
+    with SingleFlight(folder, "download", what=what, preferred=preferred_leader()).hold(dataset._check_exists):
+        yield
+
+
+def validating_check_exists(original: Callable[[Any], bool], complete: Callable[[str], bool]) -> Callable[[Any], bool]:
+    """``_check_exists`` that also wants each raw file to be a complete IDX file (upstream's
+    ``_is_complete_idx``, ``complete`` here), warning once per file that is not."""
+
     def _check_exists(self: Any) -> bool:
         if not original(self):
             return False
         for path in raw_files(self):
-            problem = idx_files.problem(path)
-            if problem is not None:
+            if not complete(path):
                 if path not in _warned:
                     _warned.add(path)
-                    log.warning("nemo_safe: %s is invalid (%s); download=True rebuilds it", path, problem)
+                    try:
+                        size: object = os.stat(path).st_size
+                    except OSError:
+                        size = "no"
+                    log.warning("nemo_safe: %s (%s bytes) is not a complete IDX file (its size does not match its "
+                                "header); download=True rebuilds it", path, size)  # fmt: skip
                 return False
         return True
 
@@ -101,15 +136,23 @@ def validating_check_exists(original: Callable[[Any], bool]) -> Callable[[Any], 
     return _check_exists
 
 
-def single_flight_download(original: Callable[[Any], None]) -> Callable[[Any], None]:
+def single_flight_download(original: Callable[[Any], None], once: Callable[..., Any]) -> Callable[[Any], None]:
+    """``download`` as upstream's ``@_download_once`` decorates it (``once``, with the overlay's
+    :func:`download_lock`); a leader taken over while stalled waits for the new one and returns once
+    the data is complete (or leads again), as :meth:`SingleFlight.run` does."""
+    decorated = once(original)
+
     def download(self: Any) -> None:
-        if self._check_exists():
-            return
-        folder = os.path.dirname(os.path.abspath(self.raw_folder))
-        flight = SingleFlight(
-            folder, "download", what=f"{type(self).__name__} download into {folder}", preferred=preferred_leader()
-        )
-        flight.run(lambda: original(self), done=self._check_exists)
+        previous = getattr(_downloading, "dataset", None)
+        _downloading.dataset = self
+        try:
+            while True:
+                try:
+                    return decorated(self)
+                except LeaderDeposed:
+                    continue
+        finally:
+            _downloading.dataset = previous
 
     download.__wrapped__ = original  # type: ignore[attr-defined]
     download.__doc__ = original.__doc__
@@ -126,12 +169,13 @@ def _apply(module: ModuleType) -> Replacements | None:
         )
         return None
     changes = Replacements(f"one download per dataset folder, raw files validated ({known})")
+    shared = shared_functions(module)
     for cls_name in CLASSES:
         cls = getattr(module, cls_name)
         changes.expect(module, cls_name)  # a reload of the module defines new classes
-        for method, wrap in (("download", single_flight_download), ("_check_exists", validating_check_exists)):
-            original = cls.__dict__[method]  # the class's own, not an inherited one
-            changes.set(cls, method, wrap(original), original=original)
+        download, check = cls.__dict__["download"], cls.__dict__["_check_exists"]  # its own, not inherited ones
+        changes.set(cls, "download", single_flight_download(download, shared["_download_once"]), original=download)
+        changes.set(cls, "_check_exists", validating_check_exists(check, shared["_is_complete_idx"]), original=check)
     return changes
 
 

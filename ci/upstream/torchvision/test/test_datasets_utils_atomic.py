@@ -1,200 +1,191 @@
-"""``download_url`` and ``extract_archive`` must publish a file under its final name only when it is complete and right.
+"""Downloaded, decompressed and extracted files appear under their final name only when complete.
 
-torchvision 0.29.1's ``_urlretrieve`` opens the final path with ``open(fpath, "wb")`` and streams the response into
-it; ``download_url`` checks the md5 only afterwards. So:
-
-* a download that breaks off (the server announced a Content-Length and closed the connection early) leaves a
-  truncated file at the final path. ``http.client`` reports the early end as an empty read, not as an error, so with
-  ``md5=None`` ``download_url`` even returns normally, and the next ``download=True`` finds the file, calls it
-  present and uses it;
-* a download with the wrong md5 raises "File not found or corrupted." but leaves the wrong bytes at the final path,
-  where the next caller without an md5 (or any process listing the folder) takes them.
-
-A correct implementation writes into a temporary sibling and renames it into place only after all announced bytes
-arrived and the md5 (when given) matched. The exception types are an implementation detail; what the user sees is
-the folder, so the tests assert that something derived from ``RuntimeError`` is raised and then look at the disk:
-no file under the final name, and no temporary left behind either.
-
-The server is a ``ThreadingHTTPServer`` on 127.0.0.1 serving bytes from memory; nothing leaves the machine.
+``urllib.request.urlopen`` is mocked (no network); ``read()`` of the fake response, the decompressor and the
+archive copies look at the final path while the file is being written, so "no reader ever sees a partial file"
+is checked deterministically, in one process.
 """
 
+import gzip
 import hashlib
 import io
 import os
+import shutil
 import tarfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import urllib.error
+import zipfile
+from unittest import mock
 
 import pytest
-from torchvision.datasets.utils import download_url, extract_archive
+from torchvision.datasets import utils
 
-PAYLOAD_SIZE = 1024 * 1024
-DROP_AFTER = 300 * 1024
-CHUNK = 64 * 1024
-
-
-def _payload(size=PAYLOAD_SIZE, seed=b"torchvision"):
-    """Deterministic, incompressible bytes."""
-    out = bytearray()
-    counter = 0
-    while len(out) < size:
-        out += hashlib.sha256(seed + counter.to_bytes(8, "big")).digest()
-        counter += 1
-    return bytes(out[:size])
+BODY = bytes(range(256)) * 1024  # 256 KiB: eight reads of _urlretrieve's 32 KiB chunks
+URL = "http://example.com/data/blob.bin"
 
 
-def _md5(data):
-    return hashlib.md5(data).hexdigest()
+class _Response(io.BytesIO):
+    """What ``urlopen`` returns: announces ``length`` bytes, serves ``body``, then ``b""`` (a server that closed
+    early) or raises ``fail`` once ``fail_after`` bytes are read. ``on_read`` runs before every read."""
+
+    def __init__(self, url, body, length=None, fail_after=None, fail=None, on_read=None):
+        super().__init__(body)
+        self.url = url
+        self.length = len(body) if length is None else length
+        self._fail_after, self._fail, self._on_read = fail_after, fail, on_read
+
+    def read(self, size=-1):
+        if self._on_read is not None:
+            self._on_read()
+        if self._fail_after is not None and self.tell() >= self._fail_after:
+            raise self._fail
+        return super().read(size)
 
 
-class _Server:
-    """Serves ``files[name] = (body, drop_after)``: announces ``len(body)`` as Content-Length and closes the
-    connection after ``drop_after`` body bytes (``None``: the whole body)."""
-
-    def __init__(self):
-        self.files = {}
-        self.requests = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format, *args):
-                pass
-
-            def do_GET(self):
-                name = self.path.lstrip("/")
-                # download_url's redirect probe is a GET with a "Method: HEAD" header that it closes right after
-                # the headers; it gets the same response as the real GET (and its broken pipe is ignored below).
-                server.requests.append((name, self.headers.get("Method") == "HEAD"))
-                if name not in server.files:
-                    self.send_error(404)
-                    return
-                body, drop_after = server.files[name]
-                limit = len(body) if drop_after is None else drop_after
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Connection", "close")
-                self.end_headers()
-                try:
-                    for start in range(0, limit, CHUNK):
-                        self.wfile.write(body[start : min(start + CHUNK, limit)])
-                    self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                self.close_connection = True
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-
-    def serve(self, name, body, drop_after=None):
-        self.files[name] = (body, drop_after)
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}/{name}"
-
-    def start(self):
-        self._thread.start()
-
-    def stop(self):
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
-
-
-@pytest.fixture
-def server():
-    s = _Server()
-    s.start()
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
-def _temporaries(folder):
-    return sorted(
-        os.path.relpath(os.path.join(top, name), folder)
-        for top, dirs, files in os.walk(folder)
-        for name in dirs + files
-        if name.startswith(".tmp.")
+def _serve(body=BODY, **kwargs):
+    return mock.patch(
+        "urllib.request.urlopen", side_effect=lambda request, *a, **kw: _Response(request.full_url, body, **kwargs)
     )
 
 
-def _assert_nothing_published(root, name="blob.bin"):
-    path = root / name
-    assert not path.exists(), (
-        f"{name} was left at its final path ({path.stat().st_size} bytes) although the download failed; "
-        f"the next download=True would take it for the dataset file"
-    )
-    assert _temporaries(root) == [], f"temporary files left behind: {_temporaries(root)}"
+def _partial_seen(path, size):
+    """A callback recording whether ``path`` exists with fewer than ``size`` bytes when it is called."""
+    seen = []
+
+    def look():
+        if os.path.exists(path) and os.path.getsize(path) < size:
+            seen.append(os.path.getsize(path))
+
+    return look, seen
 
 
-def test_download_url_broken_off_leaves_no_file(server, tmp_path):
-    payload = _payload()
-    url = server.serve("blob.bin", payload, drop_after=DROP_AFTER)
+def _assert_only(folder, *names):
+    left = sorted(os.path.relpath(os.path.join(top, n), folder) for top, _, files in os.walk(folder) for n in files)
+    assert left == sorted(names), f"expected exactly {sorted(names)} in {folder}, found {left}"
 
-    with pytest.raises(RuntimeError):
+
+def test_download_url_short_body_raises_and_publishes_nothing(tmp_path):
+    with _serve(BODY[:100_000], length=len(BODY)), pytest.raises(urllib.error.ContentTooShortError):
         try:
-            download_url(url, tmp_path, filename="blob.bin", md5=None)
-        finally:
-            # Checked whether or not download_url raised: before atomic downloads, 0.29.1 returned normally here.
-            _assert_nothing_published(tmp_path)
-
-    assert ("blob.bin", False) in server.requests
+            utils.download_url(URL, tmp_path)
+        finally:  # checked whether or not it raised: before atomic downloads, the truncated file stayed
+            _assert_only(tmp_path)
 
 
-def test_download_url_wrong_md5_leaves_no_file(server, tmp_path):
-    payload = _payload()
-    served = payload[:-1] + bytes([payload[-1] ^ 0xFF])  # right size, wrong md5
-    url = server.serve("blob.bin", served)
+def test_download_url_read_error_propagates_and_publishes_nothing(tmp_path):
+    with _serve(fail_after=100_000, fail=ConnectionResetError(104, "Connection reset by peer")):
+        with pytest.raises(ConnectionResetError):
+            try:
+                utils.download_url(URL, tmp_path)
+            finally:
+                _assert_only(tmp_path)
 
-    with pytest.raises(RuntimeError):
+
+def test_download_url_wrong_md5_raises_and_publishes_nothing(tmp_path):
+    with _serve(), pytest.raises(RuntimeError, match="File not found or corrupted."):
         try:
-            download_url(url, tmp_path, filename="blob.bin", md5=_md5(payload))
+            utils.download_url(URL, tmp_path, md5=hashlib.md5(b"other bytes").hexdigest())
         finally:
-            _assert_nothing_published(tmp_path)
-
-    assert ("blob.bin", False) in server.requests
+            _assert_only(tmp_path)
 
 
-def test_download_url_complete_file_is_published(server, tmp_path):
-    payload = _payload()
-    url = server.serve("blob.bin", payload)
-
-    download_url(url, tmp_path, filename="blob.bin", md5=_md5(payload))
-
-    assert (tmp_path / "blob.bin").read_bytes() == payload
-    assert _temporaries(tmp_path) == []
-    assert sorted(os.listdir(tmp_path)) == ["blob.bin"]
+def test_download_url_never_shows_a_partial_file(tmp_path):
+    look, seen = _partial_seen(tmp_path / "blob.bin", len(BODY))
+    with _serve(on_read=look):
+        utils.download_url(URL, tmp_path, md5=hashlib.md5(BODY).hexdigest())
+    assert seen == [], f"the final path held a partial file while downloading (sizes {seen})"
+    assert (tmp_path / "blob.bin").read_bytes() == BODY
 
 
-def test_extract_archive_into_existing_destination(tmp_path):
-    members = {
-        "a.bin": _payload(200 * 1024, seed=b"a"),
-        "sub/b.txt": b"second member\n",
-    }
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+def test_download_url_complete_file_is_published(tmp_path):
+    with _serve():
+        utils.download_url(URL, tmp_path, filename="data.bin", md5=hashlib.md5(BODY).hexdigest())
+    assert (tmp_path / "data.bin").read_bytes() == BODY
+    _assert_only(tmp_path, "data.bin")
+
+
+def test_decompress_never_shows_a_partial_file(tmp_path, monkeypatch):
+    archive = tmp_path / "blob.bin.gz"
+    archive.write_bytes(gzip.compress(BODY))
+    look, seen = _partial_seen(tmp_path / "blob.bin", len(BODY))
+
+    def opener(path, mode):
+        f = gzip.open(path, mode)
+        read = f.read
+        f.read = lambda *args: (look(), read(*args))[1]
+        return f
+
+    monkeypatch.setitem(utils._COMPRESSED_FILE_OPENERS, ".gz", opener)
+    utils.extract_archive(str(archive), remove_finished=True)
+    assert seen == [], f"the final path held a partial file while decompressing (sizes {seen})"
+    assert (tmp_path / "blob.bin").read_bytes() == BODY
+    _assert_only(tmp_path, "blob.bin")
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w:gz") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+
+
+def _zip(path, members):
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+MEMBERS = {"a.bin": BODY, "sub/b.txt": b"second member\n"}
+
+
+def _extract_watched(tmp_path, monkeypatch, archive, module):
+    """Extract ``archive`` while ``module.copyfileobj`` (how tarfile and zipfile write a member) looks at the
+    final path of the big member before and after each copy; returns the partial sizes it saw."""
+    dest = tmp_path / "dest"
+    look, seen = _partial_seen(dest / "a.bin", len(BODY))
+    copy = module.copyfileobj
+    monkeypatch.setattr(module, "copyfileobj", lambda *args, **kwargs: (look(), copy(*args, **kwargs), look())[1])
+    utils.extract_archive(str(archive), str(dest))
+    for member, data in MEMBERS.items():
+        assert (dest / member).read_bytes() == data
+    _assert_only(dest, "a.bin", os.path.join("sub", "b.txt"))
+    return seen
+
+
+def test_extract_tar_never_shows_a_partial_file(tmp_path, monkeypatch):
+    _tar(tmp_path / "archive.tar.gz", MEMBERS)
+    seen = _extract_watched(tmp_path, monkeypatch, tmp_path / "archive.tar.gz", tarfile)
+    assert seen == [], f"a member was visible partly written while extracting (sizes {seen})"
+
+
+def test_extract_zip_never_shows_a_partial_file(tmp_path, monkeypatch):
+    _zip(tmp_path / "archive.zip", MEMBERS)
+    seen = _extract_watched(tmp_path, monkeypatch, tmp_path / "archive.zip", shutil)
+    assert seen == [], f"a member was visible partly written while extracting (sizes {seen})"
+
+
+def test_extract_archive_into_existing_destination(tmp_path):
     archive = tmp_path / "archive.tar.gz"
-    archive.write_bytes(buffer.getvalue())
+    _tar(archive, MEMBERS)
+    dest = tmp_path / "dest"
+    (dest / "sub").mkdir(parents=True)
+    (dest / "existing.txt").write_bytes(b"already here\n")
+    (dest / "sub" / "b.txt").write_bytes(b"old version\n")
 
-    destination = tmp_path / "extracted"
-    destination.mkdir()
-    (destination / "existing.txt").write_bytes(b"already here\n")
+    utils.extract_archive(str(archive), str(dest))
 
-    extract_archive(str(archive), str(destination))
+    for member, data in MEMBERS.items():
+        assert (dest / member).read_bytes() == data
+    assert (dest / "existing.txt").read_bytes() == b"already here\n"
+    _assert_only(dest, "a.bin", "existing.txt", os.path.join("sub", "b.txt"))
 
-    for name, data in members.items():
-        assert (destination / name).read_bytes() == data
-    assert (destination / "existing.txt").read_bytes() == b"already here\n"
-    assert _temporaries(destination) == []
-    assert sorted(
-        os.path.relpath(os.path.join(top, name), destination)
-        for top, _, files in os.walk(destination)
-        for name in files
-    ) == ["a.bin", "existing.txt", os.path.join("sub", "b.txt")]
+
+def test_failed_extraction_publishes_nothing(tmp_path):
+    archive = tmp_path / "archive.tar.gz"
+    _tar(archive, MEMBERS)
+    archive.write_bytes(archive.read_bytes()[:-200])  # the last member's data is cut off
+    dest = tmp_path / "dest"
+    with pytest.raises((tarfile.TarError, EOFError, OSError)):
+        try:
+            utils.extract_archive(str(archive), str(dest))
+        finally:
+            _assert_only(dest)
