@@ -146,7 +146,9 @@ def owned_temp_name(final_name: str) -> str:
     Older versions of this module compare the owner part with their bare hostname: it never
     matches, so they judge these names by age only, never by a pid of another namespace."""
     owner = _owner() or f"{_host()}@unknown"
-    return f"{TMP_PREFIX}{final_name}{_OWNER_SEP}{owner}{_OWNER_SEP}{os.getpid()}{_OWNER_SEP}{secrets.token_hex(4)}"
+    suffix = f"{_OWNER_SEP}{owner}{_OWNER_SEP}{os.getpid()}{_OWNER_SEP}{secrets.token_hex(4)}"
+    # Cut a long final name so that the whole stays within NAME_MAX (255) where the final name itself fits.
+    return f"{TMP_PREFIX}{final_name[: max(16, 255 - len(TMP_PREFIX) - len(suffix))]}{suffix}"
 
 
 def pid_alive(pid: int) -> bool:

@@ -32,7 +32,7 @@ RESUME_CALL_BEFORE = """\
 """
 RESUME_CALL_AFTER = """\
     # Global rank 0 moves old files out of log_dir before the other ranks use it (#7460, #9952).
-    seconds_to_sleep = check_resume_in_order(trainer, cfg, log_dir, Path(exp_dir) / Path(str(name)), unversioned)
+    seconds_to_sleep = check_resume_in_order(trainer, cfg, log_dir, unversioned)
 """
 RESUME_SLEEP_BEFORE = """\
         # sleep other ranks so rank 0 can finish
@@ -67,6 +67,157 @@ def _nemo_ordered_check_resume(tree: Path) -> None:
     _copy_tests("nemo", tree, "tests/core/test_exp_manager_resume_race.py")
 
 
+#: NeMo PR 3: exact-string edits of what PR 2 put into nemo/utils/exp_manager.py (old -> new, each found once).
+LOG_DIR_EDITS = (
+    (
+        RESUME_CALL_AFTER,
+        """\
+    # Global rank 0 moves old files out of log_dir before the other ranks use it (#7460, #9952); the ranks it
+    # releases take its log_dir, exp_dir, name and version (get_log_dir() gives a new version to rank 0 only, #8604).
+    seconds_to_sleep, log_dir, exp_dir, name, version = check_resume_in_order(
+        trainer, cfg, log_dir, exp_dir, name, version, unversioned
+    )
+""",
+    ),
+    (
+        'NEMO_ENV_VARNAME_RESUME_CHECKED = "NEMO_EXPM_RESUME_CHECKED"\n',
+        """\
+NEMO_ENV_VARNAME_RESUME_CHECKED = "NEMO_EXPM_RESUME_CHECKED"
+# The launcher's variables that are the same on every rank of a job: other jobs may meet in one <exp_dir>/<name>.
+RESUME_ORDER_JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
+""",
+    ),
+    (
+        '''\
+def _check_resume_first(meeting_dir: Path, world_size: int, seconds_to_sleep: float, run_check_resume) -> None:
+    """Global rank 0: wait up to seconds_to_sleep for the other ranks to arrive, run check_resume(), release them."""
+''',
+        '''\
+def _check_resume_first(
+    meeting_dir: Path, world_size: int, seconds_to_sleep: float, run_check_resume, log_dirs: dict
+) -> None:
+    """Global rank 0: wait up to seconds_to_sleep for the other ranks to arrive, run check_resume(), release them
+    with log_dirs in the marker (its log_dir, exp_dir, name, version and job, for them to take)."""
+''',
+    ),
+    (
+        '            temporary = meeting_dir / f".done.{uuid.uuid4().hex}"\n',
+        '            done.update(log_dirs)\n            temporary = meeting_dir / f".done.{uuid.uuid4().hex}"\n',
+    ),
+    (
+        '''\
+def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_to_sleep: float) -> float:
+    """A non-zero rank: wait until global rank 0 ran check_resume(). Returns the seconds still to sleep."""
+''',
+        '''\
+def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_to_sleep: float) -> tuple:
+    """A non-zero rank: wait until global rank 0 ran check_resume(). Returns the seconds still to sleep and the
+    marker of global rank 0 that released this rank ({} if none did)."""
+''',
+    ),
+    (
+        "            arrival.unlink(missing_ok=True)\n            return 0.0\n",
+        "            arrival.unlink(missing_ok=True)\n            return 0.0, done\n",
+    ),
+    ("    return max(0.0, seconds_to_sleep - waited)\n", "    return max(0.0, seconds_to_sleep - waited), {}\n"),
+    (
+        '''\
+def check_resume_in_order(trainer, cfg, log_dir: Path, unversioned: bool) -> float:
+    """Run check_resume() on global rank 0 before the other ranks (#7460, #9952), which meet it in
+    ``log_dir/.exp_manager/``. Returns the seconds a non-zero rank still has to sleep (seconds_to_sleep)."""
+''',
+        '''\
+def check_resume_in_order(trainer, cfg, log_dir: Path, exp_dir: str, name: str, version: str, unversioned: bool):
+    """Run check_resume() on global rank 0 before the other ranks (#7460, #9952), which meet it in
+    ``log_dir/.exp_manager/`` (``<exp_dir>/<name>/.exp_manager/`` if unversioned) and, released by it, take its
+    log_dir, exp_dir, name and version (#8604). Returns the seconds a non-zero rank still has to sleep
+    (seconds_to_sleep) and the log_dir, exp_dir, name and version to use."""
+''',
+    ),
+    (
+        """\
+        run_check_resume()  # a rank Lightning's launcher started in fit(), after global rank 0's check_resume()
+        return 0.0
+""",
+        """\
+        run_check_resume()  # a rank Lightning's launcher started in fit(), after global rank 0's check_resume()
+        return 0.0, log_dir, exp_dir, name, version
+""",
+    ),
+    (
+        """\
+    if world_size > 1 and external and not unversioned and (is_global_rank_zero() or trainer.global_rank > 0):
+        meeting_dir = Path(log_dir) / RESUME_ORDER_DIR
+""",
+        """\
+    if world_size > 1 and external and (is_global_rank_zero() or trainer.global_rank > 0):
+        # The same folder on every rank: unversioned, only global rank 0's log_dir ends in a version (#8604).
+        meeting_dir = (Path(exp_dir) / Path(str(name)) if unversioned else Path(log_dir)) / RESUME_ORDER_DIR
+""",
+    ),
+    (
+        "            _check_resume_first(meeting_dir, world_size, cfg.seconds_to_sleep, run_check_resume)\n",
+        """\
+            log_dirs = {"log_dir": str(log_dir), "exp_dir": exp_dir, "name": name, "version": version, "job": job}
+            _check_resume_first(meeting_dir, world_size, cfg.seconds_to_sleep, run_check_resume, log_dirs)
+""",
+    ),
+    ("        return cfg.seconds_to_sleep\n", "        return cfg.seconds_to_sleep, log_dir, exp_dir, name, version\n"),
+    (
+        "    if world_size > 1 and is_global_rank_zero():\n",
+        """\
+    job = [os.environ.get(variable) for variable in RESUME_ORDER_JOB_VARIABLES]
+    if world_size > 1 and is_global_rank_zero():
+""",
+    ),
+    (
+        """\
+        seconds_to_sleep = _wait_for_rank_zero(meeting_dir, trainer.global_rank, world_size, seconds_to_sleep)
+    run_check_resume()
+    return seconds_to_sleep
+""",
+        """\
+        seconds_to_sleep, done = _wait_for_rank_zero(meeting_dir, trainer.global_rank, world_size, seconds_to_sleep)
+        if done.get("job") == job:  # released by global rank 0 of this job: log (and look for checkpoints) there
+            log_dir, exp_dir, name, version = Path(done["log_dir"]), done["exp_dir"], done["name"], done["version"]
+    run_check_resume()
+    return seconds_to_sleep, log_dir, exp_dir, name, version
+""",
+    ),
+)
+#: ... and of the tests PR 2 added, which call the two functions whose results PR 3 extends.
+LOG_DIR_TEST_EDITS = (
+    (
+        "        assert time.monotonic() - started < 10 and left == [0.0]\n",
+        "        assert time.monotonic() - started < 10"
+        ' and left[0][0] == 0.0 and left[0][1]["log_dir"] == str(tmp_path)\n',
+    ),
+    (
+        "lambda: moved.append(True))\n",
+        "lambda: moved.append(True), {})\n",
+    ),
+    (
+        '        assert json.loads((meeting / "done").read_text()) == {"tokens": [], "ranks": []}\n',
+        '        assert [json.loads((meeting / "done").read_text())[key] for key in ("tokens", "ranks")] == [[], []]\n',
+    ),
+)
+
+
+def _nemo_log_dir_of_rank_zero(tree: Path) -> None:
+    for old, new in LOG_DIR_EDITS:
+        replace_once(tree / "nemo/utils/exp_manager.py", old, new)
+    for old, new in LOG_DIR_TEST_EDITS:
+        replace_once(tree / "tests/core/test_exp_manager.py", old, new)
+    # PR 2's test that unversioned ranks do not meet gives way to PR 3's tests of what they do now.
+    _replace_test_method(
+        tree,
+        "tests/core/test_exp_manager.py",
+        "tests/core/test_exp_manager_log_dir.py",
+        "TestExpManager",
+        "test_resume_order_not_for_unversioned_ranks",
+    )
+
+
 def _class_methods(additions: str, class_name: str) -> str:
     source = (HERE / "nemo" / additions).read_text()
     lines = source.splitlines(keepends=True)
@@ -75,17 +226,31 @@ def _class_methods(additions: str, class_name: str) -> str:
     return "".join(lines[first - 1 : cls.end_lineno])
 
 
+def _method_of(path: Path, class_name: str, name: str) -> tuple[list[str], ast.FunctionDef]:
+    """The lines of the upstream test file ``path`` and the node of its method ``class_name.name``."""
+    lines = path.read_text().splitlines(keepends=True)
+    cls = next(n for n in ast.parse("".join(lines)).body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    method = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if method is None:
+        raise EditError(f"{path}: no method {class_name}.{name}")
+    return lines, method
+
+
 def _insert_test_methods(tree: Path, rel: str, additions: str, class_name: str, after: str = "test_resume") -> None:
     """Insert the methods of ``class_name`` in ``ci/upstream/nemo/<additions>`` into the same class of the
     upstream test file ``rel``, right after its method ``after``."""
-    path = tree / rel
-    lines = path.read_text().splitlines(keepends=True)
-    cls = next(n for n in ast.parse("".join(lines)).body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    method = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == after), None)
-    if method is None:
-        raise EditError(f"{path}: no method {class_name}.{after}")
+    lines, method = _method_of(tree / rel, class_name, after)
     methods = _class_methods(additions, class_name)
-    path.write_text("".join(lines[: method.end_lineno]) + "\n" + methods + "".join(lines[method.end_lineno :]))
+    (tree / rel).write_text("".join(lines[: method.end_lineno]) + "\n" + methods + "".join(lines[method.end_lineno :]))
+
+
+def _replace_test_method(tree: Path, rel: str, additions: str, class_name: str, method: str) -> None:
+    """Replace the method ``method`` of ``class_name`` in the upstream test file ``rel`` (decorators included) by
+    the methods of ``class_name`` in ``ci/upstream/nemo/<additions>``."""
+    lines, old = _method_of(tree / rel, class_name, method)
+    first = min([old.lineno, *(d.lineno for d in old.decorator_list)])
+    methods = _class_methods(additions, class_name)
+    (tree / rel).write_text("".join(lines[: first - 1]) + methods + "".join(lines[old.end_lineno :]))
 
 
 #: The local rank NeMo names the per-rank log file by (NeMo #8333): exp_manager.py, before and after.
@@ -144,9 +309,10 @@ over the filesystem (exp_manager() runs before torch.distributed exists):
   rank 0's: explicit_log_dir, resume_if_exists, or a version on every rank.
   Without them get_log_dir() gives rank 0 a new version folder and the
   others none (PR #8604), nothing they use is moved, and nothing changes.
-- The ranks meet in <exp_dir>/<name>/.exp_manager/ (explicit_log_dir/
-  .exp_manager/), which does not depend on the version; a folder, since
-  check_resume() never moves folders. Rank numbers are the trainer's
+- The ranks meet in <log_dir>/.exp_manager/, the same folder on every rank
+  there (and not shared with another job that logs elsewhere under the same
+  exp_dir and name); a folder, since check_resume() never moves folders.
+  Rank numbers are the trainer's
   global_rank (correct before fit() under torchrun and SLURM); rank 0 is
   is_global_rank_zero(), the rank that moves.
 - A non-zero rank creates arrived.<rank>.<random token> there and waits for
@@ -157,22 +323,24 @@ over the filesystem (exp_manager() runs before torch.distributed exists):
   that was killed must not count; a waiting rank whose file vanished
   arrives again), then waits until every other rank arrived or
   seconds_to_sleep passed, runs check_resume(), then, also when
-  check_resume() raised (the others
-  then raise NeMo's own error from their own lookup), writes "done" with
-  the tokens and ranks of the arrival files it sees and removes those.
+  check_resume() raised (the others then raise NeMo's own error from their
+  own lookup), writes "done" with the tokens and ranks of the arrival files
+  it sees and removes those (if that fails, a warning: the others fall back).
   It also waits when nothing is to be moved: a marker published before the
   others arrived could not be told from an earlier run's.
 - Lightning's own launcher: its main process (rank 0) runs exp_manager()
   before the other ranks exist and never waits; it exports
-  NEMO_EXPM_RESUME_CHECKED=<its pid> (as it exports NEMO_EXPM_VERSION), and
-  the ranks it starts in fit() go on at once when their parent is that pid.
+  NEMO_EXPM_RESUME_CHECKED=<its pid>:<log_dir> (as it exports
+  NEMO_EXPM_VERSION), and the ranks it starts in fit() go on at once when
+  their parent is that pid and their log_dir that log_dir.
 
 Where nothing waits: one process, Lightning's launcher's main process,
 ranks without a version of rank 0's, and rank 0 once every other rank
 arrived. Fallbacks, never slower than today: a rank not released within
 seconds_to_sleep keeps waiting only while rank 0 showed up (it cleared the
-arrival files) or every other non-zero rank waits there too (the directory
-is shared and rank 0 is late, #7460), and unless
+arrival files) or all other non-zero ranks, at least one, wait there too
+(the directory is shared and rank 0 is late, #7460; listed every 10 s at
+most), and unless
 rank 0's marker says it went on without this rank, up to 10 minutes with a
 progress line every 30 s; otherwise (node-local or unshared folders, rank 0
 done before this rank came) it carries on as before with one warning,
@@ -184,10 +352,11 @@ on a fallback, by their rank. Windows-safe (os.replace, no links).
 All in nemo/utils/exp_manager.py (a few lines in exp_manager(), 2 imports,
 the rest new functions before check_resume()). No new package, thread or option.
 
-Tested: tests/core/test_exp_manager.py, TestExpManager: seven single-process
+Tested: tests/core/test_exp_manager.py, TestExpManager: eight single-process
 tests play ranks with torchrun's variables (rank 0 moves and releases an
 arrived rank; arrival files of a killed start-up do not count; a rank
-released by rank 0; a stale marker does not release
+released by rank 0; two ranks not sharing the folder wait seconds_to_sleep
+only; a stale marker does not release
 and a missing rank 0 costs seconds_to_sleep; a marker saying rank 0 went
 on stops the wait; Lightning's launcher: no wait, its ranks go on at once;
 no meeting without a version), about 3 s together.
@@ -199,6 +368,64 @@ old files and every rank must resume from the last checkpoint. It fails
 before this change and passes after it on nemo_toolkit 3.0.0 and 2.7.3.
 Also checked by hand: Trainer(strategy="ddp", devices=2, accelerator="cpu")
 with fit(): the started rank leaves exp_manager() after 0.07 s, not 5 s.
+"""
+
+
+LOG_DIR_MESSAGE = """
+Without explicit_log_dir, resume_if_exists, a version or a logger on the
+trainer, get_log_dir() lets global rank 0 pick a new version (date and
+time, or version_N) and export it as NEMO_EXPM_VERSION into its own
+environment only. The ranks a launcher started (torchrun, SLURM) get no
+version: rank 0 logs into <exp_dir>/<name>/<version>, every other rank into
+<exp_dir>/<name> (its per-rank log file and whatever else it writes into
+log_dir). #8604 ran into this with tests/core_ptl/check_for_ranks.py
+(closed unmerged). The ranks Lightning's own launcher starts in fit() are
+not affected: they inherit NEMO_EXPM_VERSION.
+
+The previous change ("exp_manager: let global rank 0 move old log files
+before the other ranks use log_dir", #7460, #9952) has the other ranks meet
+global rank 0 and wait for its marker "done". Let the marker also carry
+rank 0's log_dir, exp_dir, name and version, and let every rank it releases
+take them: every rank logs into rank 0's folder, and its check_resume()
+looks there too. A rank that is not released (say, it cannot see rank 0's
+folder) keeps its own, as before.
+
+The unversioned runs, which the previous change leaves out since nothing
+of theirs is moved, now meet as well; nothing else changes for them:
+- They meet in <exp_dir>/<name>/.exp_manager/, the same folder on every
+  rank whatever the version (the others' log_dir is <exp_dir>/<name>).
+- Several jobs may share <exp_dir>/<name> (the default nemo_experiments/
+  default, sweeps): the marker also carries the launcher's variables that
+  are the same on every rank of one job (MASTER_ADDR, MASTER_PORT,
+  TORCHELASTIC_RUN_ID, SLURM_JOB_ID, SLURM_STEP_ID), and a rank takes the
+  folder only from the rank 0 of its own job.
+- Rank 0 has nothing to move (its version folder is new), so it only
+  waits, at most seconds_to_sleep, until the others arrived. That is no
+  slower than today: the others sleep seconds_to_sleep at the end of
+  exp_manager() anyway and fit() starts when every rank is there; released,
+  they skip that sleep. Rank 0 waits in vain only for ranks that cannot see
+  its folder or that gave up before it came, at most seconds_to_sleep once
+  at start-up, as for the runs the previous change orders.
+- The other ranks wait as in the previous change: seconds_to_sleep, longer
+  only while rank 0 showed up or every other non-zero rank waits in the
+  same folder (rank 0 is late; fit() would wait for it anyway).
+- Lightning's own launcher: unchanged (its main process does not meet; the
+  ranks it starts find NEMO_EXPM_RESUME_CHECKED and NEMO_EXPM_VERSION).
+What stays on disk: <exp_dir>/<name>/.exp_manager/done (a few bytes).
+
+All in nemo/utils/exp_manager.py; no new function, option or dependency.
+
+Tested: tests/core/test_exp_manager.py, TestExpManager: four single-process
+tests in place of test_resume_order_not_for_unversioned_ranks play
+unversioned ranks with torchrun's variables: rank 1 released by a marker
+carrying rank 0's log_dir logs there (before this change: into
+exp_dir/default after the fixed sleep); a marker of another job's rank 0
+(another MASTER_PORT) does not hand over its folder; global rank 0 waits
+for rank 1 and releases it with its new version folder; rank 1 whose
+rank 0 never comes keeps exp_dir/default after seconds_to_sleep. Three
+tests of the previous change follow the new results and marker. Under 2 s
+together. The first fails before this change and all pass after it on
+nemo_toolkit 3.0.0 and 2.7.3.
 """
 
 
@@ -291,6 +518,17 @@ pass after it, on nemo_toolkit 3.0.0 and 2.7.3.
             race_tests=(
                 "tests/core/test_exp_manager_resume_race.py::test_check_resume_moves_old_files_before_other_ranks_continue",
             ),
+        ),
+        UpstreamPatch(
+            "exp-manager-log-dir-of-rank-zero",
+            "exp_manager: give every rank global rank 0's log_dir",
+            LOG_DIR_MESSAGE,
+            _nemo_log_dir_of_rank_zero,
+            tests=("tests/core/test_exp_manager.py",),
+            race_tests=(
+                "tests/core/test_exp_manager.py::TestExpManager::test_log_dir_unversioned_rank_takes_rank_zero_version",
+            ),
+            requires=("exp-manager-ordered-check-resume",),
         ),
     ),
 )

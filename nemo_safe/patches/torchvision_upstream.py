@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # found in torchvision.datasets.utils, where these functions 
 def _temp_sibling(path: Union[str, pathlib.Path]) -> str:
     # A hidden name next to ``path`` (same directory, so that os.replace() is atomic), unique per process and call.
     directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.partial")
+    return os.path.join(directory, f".{name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.partial")
 
 
 @contextlib.contextmanager
@@ -124,6 +124,7 @@ def _atomic_extractor(extractor: Callable[..., None]) -> Callable[..., None]:
     def extract(
         from_path: Union[str, pathlib.Path], to_path: Union[str, pathlib.Path], compression: Optional[str]
     ) -> None:
+        to_path = to_path or os.curdir  # extract_archive("archive.tar") extracts into the working directory
         os.makedirs(to_path, exist_ok=True)
         staging = _temp_sibling(os.path.join(to_path, os.path.basename(from_path)))
         os.mkdir(staging)
@@ -191,8 +192,11 @@ def _download_lock(folder: str, stale: float = 60.0) -> Iterator[None]:
             continue
         if state != seen:
             seen, changed = state, time.monotonic()
+            deadline = changed + _DOWNLOAD_LOCK_TIMEOUT
         if time.monotonic() > deadline:
-            raise RuntimeError(f"Waited {_DOWNLOAD_LOCK_TIMEOUT} s for a download into {folder}; is {lock} stale?")
+            raise RuntimeError(
+                f"No progress downloading into {folder} for {_DOWNLOAD_LOCK_TIMEOUT} s; is {lock} stale?"
+            )
         time.sleep(delay)
         delay = min(2 * delay, 1.0)
     with os.fdopen(fd, "w") as fh:

@@ -62,13 +62,16 @@ def _check_resume_first(meeting_dir: Path, world_size: int, seconds_to_sleep: fl
         run_check_resume()
     finally:
         # Also when check_resume() raised: the other ranks then raise NeMo's own error from their own lookup.
-        arrivals = _resume_arrivals(meeting_dir, world_size)
-        done = {"tokens": sorted(name.split(".")[2] for name in arrivals), "ranks": sorted(set(arrivals.values()))}
-        temporary = meeting_dir / f".done.{uuid.uuid4().hex}"
-        temporary.write_text(json.dumps(done), encoding="utf-8")
-        os.replace(temporary, meeting_dir / "done")
-        for name in arrivals:
-            (meeting_dir / name).unlink(missing_ok=True)
+        try:
+            arrivals = _resume_arrivals(meeting_dir, world_size)
+            done = {"tokens": sorted(name.split(".")[2] for name in arrivals), "ranks": sorted(set(arrivals.values()))}
+            temporary = meeting_dir / f".done.{uuid.uuid4().hex}"
+            temporary.write_text(json.dumps(done), encoding="utf-8")
+            os.replace(temporary, meeting_dir / "done")
+            for name in arrivals:
+                (meeting_dir / name).unlink(missing_ok=True)
+        except OSError as error:  # the others then carry on after seconds_to_sleep, as before this ordering
+            logging.warning(f"Global rank 0 could not tell the other ranks in {meeting_dir} that it is done: {error}")
 
 
 def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_to_sleep: float) -> float:
@@ -77,7 +80,7 @@ def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_t
     arrival = meeting_dir / f"arrived.{rank}.{token}"
     arrival.touch()
     started = last_note = time.monotonic()
-    delay = 0.01
+    delay, listed, everyone = 0.01, 0.0, False
     rank_zero_came = False
     while True:
         done = _resume_done(meeting_dir)
@@ -89,9 +92,11 @@ def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_t
             rank_zero_came = True
         waited = time.monotonic() - started
         if waited >= seconds_to_sleep:
-            # Wait longer only while global rank 0 is here or every other non-zero rank waits here too (the directory
-            # is shared and rank 0 is late), and no marker says that rank 0 went on without this rank.
-            everyone = len(set(_resume_arrivals(meeting_dir, world_size).values())) == world_size - 1
+            # Wait longer only while global rank 0 is here or all other non-zero ranks (at least one) wait here too
+            # (the directory is shared and rank 0 is late), and no marker says rank 0 went on without this rank.
+            if time.monotonic() - listed >= 10:  # every non-zero rank lists: not often
+                others = set(_resume_arrivals(meeting_dir, world_size).values()) - {rank}
+                everyone, listed = world_size > 2 and len(others) == world_size - 2, time.monotonic()
             shared = rank_zero_came or everyone
             if not shared or rank not in done.get("ranks", [rank]) or waited >= RESUME_ORDER_MAX_SECONDS:
                 break
@@ -108,9 +113,9 @@ def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_t
     return max(0.0, seconds_to_sleep - waited)
 
 
-def check_resume_in_order(trainer, cfg, log_dir: Path, meeting_base: Path, unversioned: bool) -> float:
+def check_resume_in_order(trainer, cfg, log_dir: Path, unversioned: bool) -> float:
     """Run check_resume() on global rank 0 before the other ranks (#7460, #9952), which meet it in
-    ``meeting_base/.exp_manager/``. Returns the seconds a non-zero rank still has to sleep (seconds_to_sleep)."""
+    ``log_dir/.exp_manager/``. Returns the seconds a non-zero rank still has to sleep (seconds_to_sleep)."""
 
     def run_check_resume():
         check_resume(
@@ -126,13 +131,13 @@ def check_resume_in_order(trainer, cfg, log_dir: Path, meeting_base: Path, unver
     world_size = trainer.num_nodes * trainer.num_devices
     # Ranks a launcher started (torchrun, SLURM, ...), not Lightning's own launcher before fit().
     external = getattr(getattr(trainer.strategy, "cluster_environment", None), "creates_processes_externally", False)
-    started_by_rank_zero = os.environ.get(NEMO_ENV_VARNAME_RESUME_CHECKED) == str(os.getppid())
+    started_by_rank_zero = os.environ.get(NEMO_ENV_VARNAME_RESUME_CHECKED) == f"{os.getppid()}:{log_dir}"
     if world_size > 1 and not is_global_rank_zero() and started_by_rank_zero:
         run_check_resume()  # a rank Lightning's launcher started in fit(), after global rank 0's check_resume()
         return 0.0
     meeting_dir = None
     if world_size > 1 and external and not unversioned and (is_global_rank_zero() or trainer.global_rank > 0):
-        meeting_dir = meeting_base / RESUME_ORDER_DIR
+        meeting_dir = Path(log_dir) / RESUME_ORDER_DIR
         try:
             meeting_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -144,7 +149,7 @@ def check_resume_in_order(trainer, cfg, log_dir: Path, meeting_base: Path, unver
         else:
             run_check_resume()
         if not external:  # the ranks Lightning's launcher starts in fit() find check_resume() done
-            os.environ[NEMO_ENV_VARNAME_RESUME_CHECKED] = str(os.getpid())
+            os.environ[NEMO_ENV_VARNAME_RESUME_CHECKED] = f"{os.getpid()}:{log_dir}"
         return cfg.seconds_to_sleep
     seconds_to_sleep = cfg.seconds_to_sleep
     if meeting_dir is not None:

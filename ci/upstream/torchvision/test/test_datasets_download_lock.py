@@ -150,9 +150,26 @@ def test_failure_is_recorded_but_does_not_fail_later_attempts(tmp_path):
 def test_waiting_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(utils, "_DOWNLOAD_LOCK_TIMEOUT", 0.5)
     (tmp_path / LOCK).write_text("hung-process\n")
-    with pytest.raises(RuntimeError, match=f"Waited 0.5 s for a download into .*{LOCK}"):
+    with pytest.raises(RuntimeError, match=f"No progress downloading into .* for 0.5 s; is .*{LOCK}"):
         with utils._download_lock(str(tmp_path)):
             pass
+
+
+def test_waiting_is_bounded_by_silence_not_by_a_slow_download(tmp_path, monkeypatch):
+    monkeypatch.setattr(utils, "_DOWNLOAD_LOCK_TIMEOUT", 1.0)
+    (tmp_path / LOCK).write_text("slow-process\n")
+
+    def slow_holder():  # downloads for 2 s, growing its file all the while, then releases the lock
+        for size in range(1, 9):
+            (tmp_path / "part").write_bytes(b"x" * size)
+            time.sleep(0.25)
+        (tmp_path / LOCK).unlink()
+
+    holder = threading.Thread(target=slow_holder)
+    holder.start()
+    with utils._download_lock(str(tmp_path)):
+        assert (tmp_path / "part").read_bytes() == b"x" * 8
+    holder.join()
 
 
 @pytest.mark.parametrize("name", sorted(DATASETS))

@@ -189,3 +189,20 @@ def test_failed_extraction_publishes_nothing(tmp_path):
             utils.extract_archive(str(archive), str(dest))
         finally:
             _assert_only(dest)
+
+
+def test_extract_archive_without_a_folder_extracts_into_the_working_directory(tmp_path, monkeypatch):
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    monkeypatch.chdir(tmp_path)
+    utils.extract_archive("a.tar")
+    assert (tmp_path / "a.txt").read_bytes() == b"abc"
+
+
+def test_download_url_with_a_long_file_name(tmp_path):
+    name = "x" * 240 + ".bin"
+    with _serve():
+        utils.download_url(URL, tmp_path, filename=name)
+    _assert_only(tmp_path, name)

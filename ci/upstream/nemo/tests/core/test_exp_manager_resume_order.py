@@ -129,6 +129,17 @@ class TestExpManager:
         assert sorted(p.name for p in meeting.iterdir()) == ["done"]
 
     @pytest.mark.unit
+    def test_resume_order_two_ranks_not_sharing_the_folder(self, monkeypatch, tmp_path):
+        """Rank 1 of 2 alone in its folder (node-local disks): its own arrival is no sign that the folder is
+        shared, so it carries on after seconds_to_sleep, as without ordering."""
+        import time
+
+        trainer = self._torchrun_rank(monkeypatch, 1, 2)
+        started = time.monotonic()
+        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=1))
+        assert 1 <= time.monotonic() - started < 5
+
+    @pytest.mark.unit
     def test_resume_order_rank_zero_went_on_without_rank(self, monkeypatch, tmp_path):
         """Rank 1 of 2 is the only other rank, so it sees everyone waiting; but rank 0's marker says it went on
         without rank 1 (rank 1 came late, or the marker is old): rank 1 stops waiting after seconds_to_sleep."""
@@ -154,10 +165,11 @@ class TestExpManager:
         exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=30))
         assert time.monotonic() - started < 10
         assert (tmp_path / "run_0" / "old.log").exists() and not (tmp_path / ".exp_manager").exists()
-        assert os.environ["NEMO_EXPM_RESUME_CHECKED"] == str(os.getpid())
+        assert os.environ["NEMO_EXPM_RESUME_CHECKED"] == f"{os.getpid()}:{tmp_path}"
 
         # The started rank: LOCAL_RANK=1, and this process's parent plays the main process.
-        trainer = self._resume_rank(monkeypatch, {"LOCAL_RANK": 1, "NEMO_EXPM_RESUME_CHECKED": os.getppid()}, 2)
+        checked = f"{os.getppid()}:{tmp_path}"
+        trainer = self._resume_rank(monkeypatch, {"LOCAL_RANK": 1, "NEMO_EXPM_RESUME_CHECKED": checked}, 2)
         started = time.monotonic()
         exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=30))
         assert time.monotonic() - started < 10
