@@ -344,7 +344,8 @@ most), and unless
 rank 0's marker says it went on without this rank, up to 10 minutes with a
 progress line every 30 s; otherwise (node-local or unshared folders, rank 0
 done before this rank came) it carries on as before with one warning,
-sleeping only what is left of seconds_to_sleep. Rank 0 waits at most
+sleeping only what is left of seconds_to_sleep; so does a rank that cannot
+create its arrival file (a read-only log_dir). Rank 0 waits at most
 seconds_to_sleep, and only while some rank is missing. What stays on disk:
 .exp_manager/done (a few bytes); arrival files are removed by rank 0 or,
 on a fallback, by their rank. Windows-safe (os.replace, no links).

@@ -30,7 +30,11 @@ NEMO_ENV_VARNAME_RESUME_CHECKED = "NEMO_EXPM_RESUME_CHECKED"
 def _resume_arrivals(meeting_dir: Path, world_size: int) -> dict:
     """The arrival files ``arrived.<rank>.<token>`` of non-zero ranks in meeting_dir, name -> rank."""
     arrivals = {}
-    for entry in os.listdir(meeting_dir):
+    try:
+        entries = os.listdir(meeting_dir)
+    except OSError:  # removed or unreadable: no rank seen
+        return arrivals
+    for entry in entries:
         parts = entry.split(".")
         if len(parts) == 3 and parts[0] == "arrived" and parts[1].isdigit() and 0 < int(parts[1]) < world_size:
             arrivals[entry] = int(parts[1])
@@ -51,8 +55,11 @@ def _check_resume_first(meeting_dir: Path, world_size: int, seconds_to_sleep: fl
     deadline = time.monotonic() + seconds_to_sleep
     delay = 0.01
     # Arrival files of an earlier, killed start-up must not count: remove what is here; waiting ranks make theirs anew.
-    for name in _resume_arrivals(meeting_dir, world_size):
-        (meeting_dir / name).unlink(missing_ok=True)
+    try:
+        for name in _resume_arrivals(meeting_dir, world_size):
+            (meeting_dir / name).unlink(missing_ok=True)
+    except OSError:  # a folder this rank cannot write: the others fall back after seconds_to_sleep
+        pass
     while len(set(_resume_arrivals(meeting_dir, world_size).values())) < world_size - 1:
         if time.monotonic() >= deadline:
             break
@@ -78,7 +85,11 @@ def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_t
     """A non-zero rank: wait until global rank 0 ran check_resume(). Returns the seconds still to sleep."""
     token = uuid.uuid4().hex
     arrival = meeting_dir / f"arrived.{rank}.{token}"
-    arrival.touch()
+    try:
+        arrival.touch()
+    except OSError as error:  # e.g. a read-only log_dir: carry on as before this ordering
+        logging.warning(f"Rank {rank} cannot wait for global rank 0 in {meeting_dir} ({error}); continuing.")
+        return seconds_to_sleep
     started = last_note = time.monotonic()
     delay, listed, everyone = 0.01, 0.0, False
     rank_zero_came = False
@@ -88,8 +99,11 @@ def _wait_for_rank_zero(meeting_dir: Path, rank: int, world_size: int, seconds_t
             arrival.unlink(missing_ok=True)
             return 0.0
         if not arrival.exists():  # global rank 0 came and cleared the arrivals it found: it is here; arrive again
-            arrival.touch()
             rank_zero_came = True
+            try:
+                arrival.touch()
+            except OSError:
+                pass
         waited = time.monotonic() - started
         if waited >= seconds_to_sleep:
             # Wait longer only while global rank 0 is here or all other non-zero ranks (at least one) wait here too
