@@ -96,14 +96,13 @@ _leading = threading.local()
 _NO_LINKS: dict[str, bool] = {}
 
 
-def check_still_leading(look: bool = True) -> None:
+def check_still_leading() -> None:
     """Raise :class:`LeaderDeposed` when the calling thread leads a flight that another
     process has taken over (this one was stalled past the stale limit). Call it before
-    publishing or deleting anything inside a job; outside a job it does nothing.
-    ``look=False`` only asks what the heartbeat last saw (cheap enough for every chunk)."""
+    publishing or deleting anything inside a job; outside a job it does nothing."""
     flight: SingleFlight | None = getattr(_leading, "flight", None)
     if flight is not None:
-        flight._check_not_deposed(look)
+        flight._check_not_deposed()
 
 
 def _validated(info: Any) -> dict[str, Any] | None:
@@ -330,10 +329,10 @@ class SingleFlight:
             return False
         return isinstance(info, dict) and info.get("nonce") == self.nonce
 
-    def _check_not_deposed(self, look: bool = True) -> None:
+    def _check_not_deposed(self) -> None:
         if self._generation is None:
             return
-        if self._deposed.is_set() or (look and not self._still_holds(self._generation)):
+        if self._deposed.is_set() or not self._still_holds(self._generation):
             raise self._deposed_error(self._generation)
 
     @contextlib.contextmanager
