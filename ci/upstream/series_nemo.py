@@ -150,9 +150,12 @@ def check_resume_in_order(trainer, cfg, log_dir: Path, exp_dir: str, name: str, 
         meeting_dir = Path(log_dir) / RESUME_ORDER_DIR
 """,
         """\
+    job = [os.environ.get(variable) for variable in RESUME_ORDER_JOB_VARIABLES]
     if world_size > 1 and external and (is_global_rank_zero() or trainer.global_rank > 0):
-        # The same folder on every rank: unversioned, only global rank 0's log_dir ends in a version (#8604).
-        meeting_dir = (Path(exp_dir) / Path(str(name)) if unversioned else Path(log_dir)) / RESUME_ORDER_DIR
+        meeting_dir = Path(log_dir) / RESUME_ORDER_DIR
+        if unversioned:  # only global rank 0's log_dir ends in a version (#8604); other jobs may share exp_dir/name
+            job_key = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(job)).hex[:12]
+            meeting_dir = Path(exp_dir) / Path(str(name)) / RESUME_ORDER_DIR / job_key
 """,
     ),
     (
@@ -163,13 +166,6 @@ def check_resume_in_order(trainer, cfg, log_dir: Path, exp_dir: str, name: str, 
 """,
     ),
     ("        return cfg.seconds_to_sleep\n", "        return cfg.seconds_to_sleep, log_dir, exp_dir, name, version\n"),
-    (
-        "    if world_size > 1 and is_global_rank_zero():\n",
-        """\
-    job = [os.environ.get(variable) for variable in RESUME_ORDER_JOB_VARIABLES]
-    if world_size > 1 and is_global_rank_zero():
-""",
-    ),
     (
         """\
         seconds_to_sleep = _wait_for_rank_zero(meeting_dir, trainer.global_rank, world_size, seconds_to_sleep)
@@ -393,13 +389,16 @@ folder) keeps its own, as before.
 
 The unversioned runs, which the previous change leaves out since nothing
 of theirs is moved, now meet as well; nothing else changes for them:
-- They meet in <exp_dir>/<name>/.exp_manager/, the same folder on every
-  rank whatever the version (the others' log_dir is <exp_dir>/<name>).
+- They meet in <exp_dir>/<name>/.exp_manager/<job>/, the same folder on
+  every rank of the job whatever the version (the others' log_dir is
+  <exp_dir>/<name>).
 - Several jobs may share <exp_dir>/<name> (the default nemo_experiments/
-  default, sweeps): the marker also carries the launcher's variables that
-  are the same on every rank of one job (MASTER_ADDR, MASTER_PORT,
-  TORCHELASTIC_RUN_ID, SLURM_JOB_ID, SLURM_STEP_ID), and a rank takes the
-  folder only from the rank 0 of its own job.
+  default, sweeps): <job> is a hash of the launcher's variables that are
+  the same on every rank of one job and differ between jobs (MASTER_ADDR,
+  MASTER_PORT, TORCHELASTIC_RUN_ID, SLURM_JOB_ID, SLURM_STEP_ID), so the
+  ranks of one job neither release nor count those of another; the marker
+  carries them too, and a rank takes the folder only from the rank 0 of
+  its own job.
 - Rank 0 has nothing to move (its version folder is new), so it only
   waits, at most seconds_to_sleep, until the others arrived. That is no
   slower than today: the others sleep seconds_to_sleep at the end of
@@ -412,21 +411,23 @@ of theirs is moved, now meet as well; nothing else changes for them:
   same folder (rank 0 is late; fit() would wait for it anyway).
 - Lightning's own launcher: unchanged (its main process does not meet; the
   ranks it starts find NEMO_EXPM_RESUME_CHECKED and NEMO_EXPM_VERSION).
-What stays on disk: <exp_dir>/<name>/.exp_manager/done (a few bytes).
+What stays on disk: <exp_dir>/<name>/.exp_manager/<job>/done (a few
+bytes per job).
 
 All in nemo/utils/exp_manager.py; no new function, option or dependency.
 
-Tested: tests/core/test_exp_manager.py, TestExpManager: four single-process
-tests in place of test_resume_order_not_for_unversioned_ranks play
+Tested: tests/core/test_exp_manager.py, TestExpManager: four tests (five
+cases) in place of test_resume_order_not_for_unversioned_ranks play
 unversioned ranks with torchrun's variables: rank 1 released by a marker
 carrying rank 0's log_dir logs there (before this change: into
-exp_dir/default after the fixed sleep); a marker of another job's rank 0
-(another MASTER_PORT) does not hand over its folder; global rank 0 waits
+exp_dir/default after the fixed sleep); another job's rank 0 (another
+MASTER_PORT) meets in another folder and does not hand over its own, even
+through a marker in this job's folder; global rank 0 waits
 for rank 1 and releases it with its new version folder; rank 1 whose
 rank 0 never comes keeps exp_dir/default after seconds_to_sleep. Three
-tests of the previous change follow the new results and marker. Under 2 s
-together. The first fails before this change and all pass after it on
-nemo_toolkit 3.0.0 and 2.7.3.
+tests of the previous change follow the new results and marker. About 8 s
+together (two wait out seconds_to_sleep). The first fails before this
+change and all pass after it on nemo_toolkit 3.0.0 and 2.7.3.
 """
 
 

@@ -24,11 +24,17 @@ class TestExpManager:
         "SLURM_STEP_ID",
     )
 
-    def _unversioned_rank_one(self, monkeypatch, tmp_path, rank_zero_port):
+    def _meeting_dir(self, exp_dir, job):
+        """Where the unversioned ranks of the job with these RESUME_ORDER_JOB_VARIABLES values meet."""
+        import uuid
+
+        return exp_dir / "default" / ".exp_manager" / uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(job)).hex[:12]
+
+    def _unversioned_rank_one(self, monkeypatch, tmp_path, rank_zero_port, marker_in_rank_one_folder=False):
         """Rank 1 of 2 under torchrun (MASTER_PORT 29500) without explicit_log_dir, resume_if_exists or a version;
-        global rank 0 (played by a thread) answers its arrival file with the marker that rank 0 of a job with
-        MASTER_PORT rank_zero_port writes after picking a new version. Returns rank 1's log_dir, rank 0's and the
-        seconds rank 1 spent in exp_manager."""
+        global rank 0 of a job with MASTER_PORT rank_zero_port (played by a thread) answers the arrival file it finds
+        in its job's meeting folder (or, with marker_in_rank_one_folder, in rank 1's) with the marker it writes after
+        picking a new version. Returns rank 1's log_dir, rank 0's and the seconds rank 1 spent in exp_manager."""
         import threading
         import time
 
@@ -36,8 +42,10 @@ class TestExpManager:
         monkeypatch.setenv("MASTER_PORT", "29500")
         trainer = self._torchrun_rank(monkeypatch, 1, 2)
         job = [os.environ.get(variable) for variable in self._JOB]
+        meeting = self._meeting_dir(tmp_path, job)
         job[self._JOB.index("MASTER_PORT")] = rank_zero_port
-        meeting = tmp_path / "default" / ".exp_manager"
+        if not marker_in_rank_one_folder:
+            meeting = self._meeting_dir(tmp_path, job)
         rank_zero_log_dir = tmp_path / "default" / "2026-12-01_06-00-00"
         stop = threading.Event()
 
@@ -79,11 +87,14 @@ class TestExpManager:
         assert seconds < 3, "released by rank 0, rank 1 skips the fixed sleep"
 
     @pytest.mark.unit
-    def test_log_dir_not_from_another_job(self, monkeypatch, tmp_path):
-        """A marker of global rank 0 of another job that shares exp_dir/default (another MASTER_PORT) does not hand
-        rank 1 that job's version folder: rank 1 keeps its own log_dir, as before."""
-        log_dir, _, _ = self._unversioned_rank_one(monkeypatch, tmp_path, "29501")
+    @pytest.mark.parametrize("marker_in_rank_one_folder", [False, True])
+    def test_log_dir_not_from_another_job(self, monkeypatch, tmp_path, marker_in_rank_one_folder):
+        """Global rank 0 of another job that shares exp_dir/default (another MASTER_PORT) meets its own ranks in
+        another folder: it neither releases rank 1 nor hands it its version folder, not even through a marker in
+        rank 1's folder. Rank 1 keeps its own log_dir after seconds_to_sleep, as before."""
+        log_dir, _, seconds = self._unversioned_rank_one(monkeypatch, tmp_path, "29501", marker_in_rank_one_folder)
         assert log_dir == tmp_path / "default"
+        assert seconds >= 3 or marker_in_rank_one_folder, "rank 1 was released by another job's rank 0"
 
     @pytest.mark.unit
     def test_log_dir_rank_zero_releases_with_its_version(self, monkeypatch, tmp_path):
@@ -94,7 +105,7 @@ class TestExpManager:
         from nemo.utils.exp_manager import _wait_for_rank_zero
 
         trainer = self._torchrun_rank(monkeypatch, 0, 2)
-        meeting = tmp_path / "default" / ".exp_manager"
+        meeting = self._meeting_dir(tmp_path, [os.environ.get(variable) for variable in self._JOB])
         meeting.mkdir(parents=True)
         released = []
         rank_one = threading.Thread(target=lambda: released.append(_wait_for_rank_zero(meeting, 1, 2, 30)))
@@ -125,4 +136,5 @@ class TestExpManager:
         log_dir = exp_manager(trainer, {**cfg, "seconds_to_sleep": 1})
         assert 1 <= time.monotonic() - started < 5
         assert log_dir == tmp_path / "default"
-        assert list((tmp_path / "default" / ".exp_manager").iterdir()) == []
+        meeting = self._meeting_dir(tmp_path, [os.environ.get(variable) for variable in self._JOB])
+        assert list(meeting.iterdir()) == []
