@@ -1,97 +1,190 @@
-"""MNIST(root, download=True) on 8 ranks: upstream vs nemo_safe vs one rank alone, side by side.
+"""Downloads on 8 ranks, upstream vs nemo_safe vs one rank alone, side by side in one run:
+``MNIST(root, download=True)``, ``CIFAR10(root, download=True)`` and pretrained weights
+(``squeezenet1_1`` weights through ``WeightsEnum.get_state_dict`` -> ``torch.hub``).
 
-Every configuration downloads from a real HTTP mirror on 127.0.0.1 whose link
-is shared by all responses and throttled (``--link-mbps``, default 5 MB/s: a
-site's internet uplink, which 8 upstream ranks fetching the same files share).
-Ranks are started by torch.multiprocessing.spawn and released together after
-init_process_group (the FSDP tutorial). Measured: body bytes served (without
-torchvision's own redirect probes), and the slowest rank's seconds inside
-``MNIST(...)``, from release to loaded. Uses the original MNIST files when
-``../shared/data/mnist`` exists, else synthetic files of MNIST's sizes.
+Every configuration downloads from a real HTTP mirror on 127.0.0.1 whose link is
+shared by all responses and throttled (``--link-mbps``, default 5 MB/s: a site's
+internet uplink, which 8 upstream ranks fetching the same files share). Ranks are
+started by torch.multiprocessing.spawn and released together after
+init_process_group (the FSDP tutorial). Measured per run: body bytes served (without
+torchvision's own redirect probes) over the bytes of the file set, and the slowest
+rank's seconds inside the dataset constructor / the weights load, from release to
+loaded; reported as medians over ``--rounds`` interleaved rounds, each against the
+median of "one rank alone, upstream" for the same workload.
 
-Run: .venv/bin/python benchmarks/download_time.py [--rounds 3] [--ranks 8]
+The files: the original MNIST files when ``../shared/data/mnist`` exists (else
+synthetic files of MNIST's sizes); a generated CIFAR10 archive in CIFAR's exact
+layout (``tests/dataset_files.py``, 1,000 images per batch, 18 MB); a
+freshly initialised squeezenet1_1 state dict (``tests/hub_worker.py``, 5 MB)
+under a hub-style name with its hash prefix, loaded with ``check_hash=True``.
+
+Run: .venv/bin/python benchmarks/download_time.py [--rounds 2] [--ranks 8] [--only MNIST,CIFAR10,weights]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from nemo_safe import download_race
-from nemo_safe.loopback_mirror import LoopbackMirror
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"
+sys.path.insert(0, str(TESTS))  # the test data generators (dataset_files, hub_worker), not part of the library
 
-MNIST_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+from nemo_safe import download_race  # noqa: E402
+from nemo_safe.local_ranks import without_launchers  # noqa: E402
+from nemo_safe.loopback_mirror import LoopbackMirror  # noqa: E402
+
+MNIST_DIR = HERE.parents[1] / "shared" / "data" / "mnist"
 
 
-def load_files() -> tuple[dict[str, bytes], str]:
+@dataclass
+class Workload:
+    """One thing every rank fetches: the files the mirror serves, and how ``ranks`` ranks fetch them."""
+
+    name: str
+    what: str
+    files: dict[str, bytes]
+    #: (ranks, mirror url, work folder, disable, results folder name) -> results by rank
+    spawn: Callable[[int, str, Path, bool, str], dict[int, dict[str, Any]]]
+
+
+def mnist() -> Workload:
     if all((MNIST_DIR / n).is_file() for n in download_race.MNIST_FILES):
-        return {n: (MNIST_DIR / n).read_bytes() for n in download_race.MNIST_FILES}, "original MNIST files"
-    return download_race.synthetic_mnist(60000, 10000), "synthetic files of MNIST's sizes"
+        files, what = {n: (MNIST_DIR / n).read_bytes() for n in download_race.MNIST_FILES}, "original files"
+    else:
+        files, what = download_race.synthetic_mnist(60000, 10000), "synthetic files of MNIST's sizes"
+    resources = download_race.resources_of(files)
+
+    def spawn(ranks: int, url: str, tmp: Path, disable: bool, res: str) -> dict[int, dict[str, Any]]:
+        out = download_race.run_spawn(ranks, tmp / "root", tmp / res, url, disable=disable, resources=resources)
+        return _results(download_race.read_results(tmp / res), ranks, out)
+
+    return Workload("MNIST", f"MNIST, {what}", files, spawn)
+
+
+def cifar10() -> Workload:
+    from dataset_files import cifar10 as make
+
+    spec = make(images_per_batch=1000)
+
+    def spawn(ranks: int, url: str, tmp: Path, disable: bool, res: str) -> dict[int, dict[str, Any]]:
+        out = download_race.run_spawn(
+            ranks, tmp / "root", tmp / res, url, disable=disable, dataset="CIFAR10", attrs=spec.attrs
+        )
+        return _results(download_race.read_results(tmp / res), ranks, out)
+
+    return Workload("CIFAR10", "CIFAR10, generated archive in CIFAR's layout", spec.files, spawn)
+
+
+def weights() -> Workload:
+    import torch
+    from hub_worker import reference_state_dict
+
+    buf = io.BytesIO()
+    torch.save(reference_state_dict(), buf)
+    data = buf.getvalue()
+    name = f"squeezenet1_1-{hashlib.sha256(data).hexdigest()[:8]}.pth"
+
+    def spawn(ranks: int, url: str, tmp: Path, disable: bool, res: str) -> dict[int, dict[str, Any]]:
+        (tmp / res).mkdir(parents=True)
+        cmd = [
+            sys.executable, str(TESTS / "hub_worker.py"), "spawn", "--nprocs", str(ranks), "--url", url + name,
+            "--results", str(tmp / res), "--port", str(download_race.free_port()),
+        ]  # fmt: skip
+        env = {**without_launchers(os.environ), "TORCH_HOME": str(tmp / "home"), "NEMO_SAFE_DISABLE": str(int(disable))}
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        found = {}
+        for path in (tmp / res).glob("*.json"):
+            res = json.loads(path.read_text())
+            found[res["rank"]] = res
+        return _results(found, ranks, out)
+
+    return Workload("weights", "squeezenet1_1 weights via torch.hub", {name: data}, spawn)
+
+
+def _results(found: dict[int, dict[str, Any]], ranks: int, out: subprocess.CompletedProcess[str]) -> dict:
+    if len(found) < ranks:
+        raise SystemExit(f"only {len(found)} of {ranks} ranks reported:\n{out.stderr[-2000:]}")
+    return found
+
+
+WORKLOADS: dict[str, Callable[[], Workload]] = {"MNIST": mnist, "CIFAR10": cifar10, "weights": weights}
 
 
 def measure(
-    files: dict[str, bytes], ranks: int, disable: bool, link: float, on_disk: bool = False
+    work: Workload, ranks: int, disable: bool, link: float, on_disk: bool = False
 ) -> tuple[float, float, list[str]]:
-    """(slowest rank's seconds, bytes served / dataset bytes, failed ranks) of one run.
-    ``on_disk``: the data is downloaded first (not measured), so only loading is timed."""
-    with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp, LoopbackMirror(files, link_rate=link) as m:
-        resources = download_race.resources_of(files)
+    """(slowest rank's seconds, bytes served / file set, errors of failed ranks) of one run.
+    ``on_disk``: one upstream rank downloads first (not measured), so only loading is timed."""
+    with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp, LoopbackMirror(work.files, link_rate=link) as m:
         if on_disk:
-            download_race.run_spawn(1, Path(tmp, "root"), Path(tmp, "pre"), m.url, disable=True, resources=resources)
+            work.spawn(1, m.url, Path(tmp), True, "prepare")
             m.reset_stats()
-        out = download_race.run_spawn(
-            ranks, Path(tmp, "root"), Path(tmp, "res"), m.url, disable=disable, resources=resources
-        )
-        results = download_race.read_results(Path(tmp, "res"))
+        results = work.spawn(ranks, m.url, Path(tmp), disable, "res")
         served = m.total_body_bytes()
-    if len(results) < ranks:
-        raise SystemExit(f"only {len(results)} of {ranks} ranks reported:\n{out.stderr[-2000:]}")
     failed = [f"{r['error_type']}: {r['error']}" for r in results.values() if r["status"] != "ok"]
-    return max(r["seconds"] for r in results.values()), served / sum(map(len, files.values())), failed
+    return max(r["seconds"] for r in results.values()), served / sum(map(len, work.files.values())), failed
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--link-mbps", type=float, default=5.0, help="shared mirror link, MB/s")
+    p.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     args = p.parse_args(argv)
-    files, what = load_files()
+    works = [WORKLOADS[name]() for name in args.only.split(",")]
     link = args.link_mbps * 1e6
     configs = [
         ("one rank alone, upstream", 1, True, False),
         ("one rank alone, nemo_safe", 1, False, False),
         (f"{args.ranks} ranks, upstream", args.ranks, True, False),
         (f"{args.ranks} ranks, nemo_safe", args.ranks, False, False),
-        ("one rank alone, data already on disk (loading only)", 1, False, True),
-        (f"{args.ranks} ranks, data already on disk (loading only)", args.ranks, False, True),
+        ("one rank alone, files already on disk (loading only)", 1, False, True),
+        (f"{args.ranks} ranks, files already on disk (loading only)", args.ranks, False, True),
     ]
-    rows = {}
+    rows: dict[tuple[str, str], list[tuple[float, float, list[str]]]] = {}
     for _ in range(args.rounds):  # interleaved, so drift hits every configuration alike
-        for name, ranks, disable, on_disk in configs:
-            rows.setdefault(name, []).append(measure(files, ranks, disable, link, on_disk))
-    alone = statistics.median(s for s, _, _ in rows["one rank alone, upstream"])
+        for work in works:
+            for config, ranks, disable, on_disk in configs:
+                rows.setdefault((work.name, config), []).append(measure(work, ranks, disable, link, on_disk))
     print(
-        f"MNIST download, {what} ({sum(map(len, files.values())) / 1e6:.1f} MB), mirror link {args.link_mbps:g} MB/s "
-        f"shared, {args.rounds} rounds, medians"
+        f"Downloads on {args.ranks} ranks of torch.multiprocessing.spawn, mirror link {args.link_mbps:g} MB/s shared, "
+        f"{args.rounds} rounds, medians"
     )
     print()
-    print("| configuration | slowest rank in MNIST(), s | vs one rank alone | bytes served / dataset | failed ranks |")
-    print("|---|---|---|---|---|")
-    for name, ranks, *_ in configs:
-        secs = statistics.median(s for s, _, _ in rows[name])
-        served = statistics.median(b for _, b, _ in rows[name])
-        failed = sum(len(f) for _, _, f in rows[name])
-        print(f"| {name} | {secs:.2f} | {secs / alone:.2f}x | {served:.2f}x | {failed} of {ranks * args.rounds} |")
-    errors = [(name, e) for name, *_ in configs for _, _, failed in rows[name] for e in failed]
+    print("| workload | configuration | slowest rank, s | vs one rank alone | bytes served / file set | failed ranks |")
+    print("|---|---|---|---|---|---|")
+    errors = []
+    for work in works:
+        alone = statistics.median(s for s, _, _ in rows[(work.name, "one rank alone, upstream")])
+        size = sum(map(len, work.files.values())) / 1e6
+        for config, ranks, *_ in configs:
+            runs = rows[(work.name, config)]
+            secs = statistics.median(s for s, _, _ in runs)
+            served = statistics.median(b for _, b, _ in runs)
+            failed = sum(len(f) for _, _, f in runs)
+            errors += [(work.name, config, e) for _, _, f in runs for e in f]
+            print(
+                f"| {work.what} ({size:.1f} MB) | {config} | {secs:.2f} | {secs / alone:.2f}x | {served:.2f}x "
+                f"| {failed} of {ranks * args.rounds} |"
+            )
     if errors:
         print()
         print("Errors of failed ranks:")
-        for name, error in errors:
-            print(f"- {name}: {error.splitlines()[0][:300]}")
+        for name, config, error in errors:
+            print(f"- {name}, {config}: {error.splitlines()[0][:300]}")
     return 0
 
 

@@ -79,8 +79,11 @@ def build(
     kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the dataset with download=True from ``mirror``; digests of what was loaded.
-    ``attrs`` overrides class attributes (a test's own files and md5s, e.g. CIFAR10's lists);
-    ``kwargs`` go to the constructor (EMNIST's ``split``)."""
+    ``attrs`` overrides class attributes (a test's own files and md5s, e.g. CIFAR10's lists; ``{mirror}``
+    in a string, also inside lists and dicts, becomes the mirror's URL); ``kwargs`` go to the
+    constructor (EMNIST's ``split``). ``train=True`` is passed where the class takes it."""
+    import inspect
+
     import numpy as np
     import torchvision.datasets as datasets
 
@@ -90,15 +93,48 @@ def build(
     if resources is not None:
         cls.resources = [tuple(r) for r in resources]
     for name, value in (attrs or {}).items():
-        setattr(cls, name, value.replace("{mirror}", mirror) if isinstance(value, str) else value)
-    ds = cls(root, train=True, download=True, **(kwargs or {}))
-    data = np.ascontiguousarray(np.asarray(ds.data))
-    targets = np.asarray(ds.targets).astype(np.uint8)
+        setattr(cls, name, _with_mirror(value, mirror))
+    kwargs = dict(kwargs or {})
+    if "train" in inspect.signature(cls.__init__).parameters:
+        kwargs.setdefault("train", True)
+    ds = cls(root, download=True, **kwargs)
+    if hasattr(ds, "data") and hasattr(ds, "targets"):  # the MNIST family, CIFAR
+        data = np.ascontiguousarray(np.asarray(ds.data))
+        targets = np.asarray(ds.targets).astype(np.uint8)
+        return {
+            "data_sha": hashlib.sha256(data.tobytes()).hexdigest(),
+            "targets_sha": hashlib.sha256(targets.tobytes()).hexdigest(),
+            "items": len(ds),
+        }
+    return item_digests(ds)
+
+
+def item_digests(ds: Any) -> dict[str, Any]:
+    """For datasets without ``.data``: sha256 over every item's (image pixels, target), in any order
+    (the order of some datasets follows a directory listing), and over the targets alone."""
+    import numpy as np
+
+    per_item, targets = [], []
+    for index in range(len(ds)):
+        image, target = ds[index]
+        pixels = np.ascontiguousarray(np.asarray(image)).tobytes()
+        per_item.append(hashlib.sha256(pixels + b"|" + repr(target).encode()).hexdigest())
+        targets.append(repr(target))
     return {
-        "data_sha": hashlib.sha256(data.tobytes()).hexdigest(),
-        "targets_sha": hashlib.sha256(targets.tobytes()).hexdigest(),
+        "data_sha": hashlib.sha256("".join(sorted(per_item)).encode()).hexdigest(),
+        "targets_sha": hashlib.sha256("\n".join(sorted(targets)).encode()).hexdigest(),
         "items": len(ds),
     }
+
+
+def _with_mirror(value: Any, mirror: str) -> Any:
+    if isinstance(value, str):
+        return value.replace("{mirror}", mirror)
+    if isinstance(value, list):
+        return [_with_mirror(v, mirror) for v in value]
+    if isinstance(value, dict):
+        return {k: _with_mirror(v, mirror) for k, v in value.items()}
+    return value
 
 
 def _attempt(rank: int, args: argparse.Namespace) -> None:
@@ -193,6 +229,9 @@ def run_spawn(
     skew: float = 0.0,
     init: bool = True,
     resources: Any = None,
+    dataset: str = "MNIST",
+    attrs: dict[str, Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m nemo_safe.download_race spawn``: ``nprocs`` ranks by torch.multiprocessing.spawn."""
@@ -202,8 +241,12 @@ def run_spawn(
     cmd = [
         sys.executable, "-m", "nemo_safe.download_race", "spawn",
         "--nprocs", str(nprocs), "--root", str(root), "--results", str(results), "--mirror", mirror,
-        "--port", str(free_port()), "--skew", str(skew),
+        "--port", str(free_port()), "--skew", str(skew), "--dataset", dataset,
     ]  # fmt: skip
+    if attrs is not None:
+        cmd += ["--attrs", json.dumps(attrs)]
+    if kwargs is not None:
+        cmd += ["--kwargs", json.dumps(kwargs)]
     if resources is not None:
         cmd += ["--resources", json.dumps(resources)]
     if not init:

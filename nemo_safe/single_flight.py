@@ -96,6 +96,44 @@ _leading = threading.local()
 _NO_LINKS: dict[str, bool] = {}
 
 
+def lock_folder_usable(directory: str) -> bool:
+    """Whether ``directory`` exists and its lock folder exists or can be created, and this process may
+    create and list entries in it. A patch calls upstream's code instead where it is not (a read-only
+    root, another user's lock folder left by a failure): waiting on a lock it cannot take or read
+    could only fail or hang where upstream completes."""
+    if not os.path.isdir(directory):
+        return False  # upstream fails there (or creates it); nemo_safe creates no folders for it
+    lock_dir = os.path.join(directory, LOCK_DIRNAME)
+    # Nothing is created here: a process that finds the work done must leave no lock folder behind.
+    where = lock_dir if os.path.isdir(lock_dir) else directory
+    if not os.access(where, os.W_OK | os.X_OK | os.R_OK):  # also False on a read-only mount
+        log.debug("nemo_safe: cannot create entries in %s; running as upstream does", where)
+        return False
+    return True
+
+
+def run_else_upstream(flight: SingleFlight, job: Callable[[], None], done: Callable[[], bool]) -> bool:
+    """``flight.run(job, done)`` for a patch whose ``job`` is upstream's own code; where the lock folder
+    refuses this process before it was elected (it vanished for good, or the filesystem refused a write
+    the permission bits allowed), ``job`` runs here unordered, as upstream. Whether ``job`` ran here."""
+    started = False
+
+    def run_job() -> None:
+        nonlocal started
+        started = True
+        job()
+
+    try:
+        flight.run(run_job, done)
+    except (ConfigurationError, PermissionError) as exc:
+        if started:
+            raise
+        log.debug("nemo_safe: %s: cannot lock (%s); running as upstream does", flight.what, exc)
+        job()
+        return True
+    return started
+
+
 def check_still_leading() -> None:
     """Raise :class:`LeaderDeposed` when the calling thread leads a flight that another
     process has taken over (this one was stalled past the stale limit). Call it before
@@ -420,6 +458,17 @@ class SingleFlight:
         return self._deposed.is_set() or not self._still_holds(generation)
 
     # -- everyone ------------------------------------------------------------------
+
+    def leader_running(self) -> bool:
+        """Whether a process is doing the job right now (its lock says running). A ``done()`` that can hold
+        on part of a job's output (a dataset checked by one of the folders it downloads) adds ``not
+        leader_running()``, so that nobody leaves before the leader is through. Unknown counts as yes."""
+        try:
+            generations = self._generations()
+            info = self._read(generations[-1]) if generations else None
+        except OSError:
+            return True
+        return info is not None and info.get("state") in ("running", "unreadable")
 
     def run(self, job: Callable[[], None], done: Callable[[], bool]) -> None:
         """Return once ``done()`` holds, having run ``job`` here or waited for the process that did."""

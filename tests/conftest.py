@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -60,3 +60,19 @@ def bindfs_views(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
     finally:
         for view in mounted:
             subprocess.run(["umount", str(view)], check=False, timeout=30)
+
+
+@pytest.fixture()
+def read_only() -> Iterator[Callable[[Path], Path]]:
+    """``read_only(path)``: ``path`` (created if missing) bind-mounted read-only onto itself until the test ends."""
+    mounted: list[Path] = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], check=True)
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], check=True)

@@ -34,15 +34,19 @@ EXP_MANAGER = "nemo-exp-manager-resume"
 DOWNLOADS = "torchvision-atomic-downloads"
 BINDINGS = "torchvision-download-url-bindings"
 MNIST = "torchvision-mnist-single-flight"
+DATASETS = "torchvision-datasets-single-flight"
+HUB = "torch-hub-single-flight"
 #: Patch -> (the module it patches, the distribution whose release it must recognise).
 PATCHES = {
     EXP_MANAGER: ("nemo.utils.exp_manager", "nemo_toolkit"),
     DOWNLOADS: ("torchvision.datasets.utils", "torchvision"),
     BINDINGS: ("torchvision.datasets", "torchvision"),
     MNIST: ("torchvision.datasets.mnist", "torchvision"),
+    DATASETS: ("torchvision.datasets", "torchvision"),
+    HUB: ("torch.hub", "torch"),
 }
 #: The releases nemo_safe's patches were verified against (README).
-SUPPORTED = {"torchvision": ("0.29.1",), "nemo_toolkit": ("2.7.3", "3.0.0")}
+SUPPORTED = {"torchvision": ("0.29.1",), "nemo_toolkit": ("2.7.3", "3.0.0"), "torch": ("2.14.1",)}
 DISTRIBUTIONS = {
     "nemo_toolkit": "nemo",
     "torch": "torch",
@@ -140,6 +144,16 @@ def facts():
         patches["torchvision-mnist-single-flight"] = state(
             [vars(getattr(mnist, c))[m] for c in ("MNIST", "EMNIST", "QMNIST") for m in ("download", "_check_exists")]
         )
+    datasets = sys.modules.get("torchvision.datasets")
+    if datasets is not None:  # the download method of each class the patch covers, where that class defines it
+        from nemo_safe.patches.torchvision_datasets import COVERED
+        classes = [getattr(datasets, name) for name in COVERED]
+        patches["torchvision-datasets-single-flight"] = state(
+            [next(vars(k)[m] for k in c.__mro__ if m in vars(k)) for c, (m, _) in zip(classes, COVERED.values())]
+        )
+    hub = sys.modules.get("torch.hub")
+    if hub is not None:
+        patches["torch-hub-single-flight"] = state([hub.download_url_to_file])
     versions = {}
     for dist, top in DISTRIBUTIONS.items():
         try:
@@ -371,7 +385,7 @@ def _check_patch_line(name: str, shown_state: str, text: str, facts: dict, cause
     if pristine and installed in SUPPORTED[dist]:
         assert installed in text and "unknown" not in text and "do not match" not in text, where
     else:
-        assert "unknown torchvision version" in text or "do not match a known release" in text, where
+        assert f"unknown {dist} version" in text or "do not match a known release" in text, where
 
 
 def test_doctor_console_script_in_a_fresh_process(tmp_path: Path) -> None:
@@ -468,12 +482,15 @@ def test_reload_of_modules_imported_before_nemo_safe(tmp_path: Path) -> None:
 
 
 def test_unknown_torchvision_release(tmp_path: Path) -> None:
-    """torchvision's utils and mnist with one changed line each, NeMo not installed: nothing is patched,
-    and every line says why."""
+    """torchvision's utils and mnist with one changed line each, NeMo not installed: nothing of theirs is
+    patched, and every line says why. The other dataset classes and torch.hub are unchanged (each class is
+    gated on its own sources), so their single flights stay."""
     steps = "block:nemo,changed:torchvision.datasets.utils,changed:torchvision.datasets.mnist,nemo_safe,report"
     (report,) = run_program(steps, tmp_path)
     facts = report["facts"]
-    assert not any(fact["any"] for fact in facts["patches"].values()), facts
+    unchanged = (DATASETS, HUB)
+    assert not any(fact["any"] for name, fact in facts["patches"].items() if name not in unchanged), facts
+    assert all(facts["patches"][name]["in_place"] for name in unchanged), facts
     assert not facts["modules"]["nemo.utils.exp_manager"]["importable"]
     check_report(report["stdout"], facts, cwd=tmp_path)
 
@@ -538,7 +555,7 @@ def test_doctor_environment_lines(tmp_path: Path, launcher: str) -> None:
     if launcher == "none" and os.path.isdir("/dev/shm"):
         cwd = Path(__import__("tempfile").mkdtemp(dir="/dev/shm"))
     try:
-        (report,) = run_program("block:nemo,block:torchvision,nemo_safe,report", tmp_path, cwd=cwd, **env)
+        (report,) = run_program("block:nemo,block:torchvision,block:torch,nemo_safe,report", tmp_path, cwd=cwd, **env)
         check_report(report["stdout"], report["facts"], cwd=cwd, environment=environment, warnings=warnings)
     finally:
         if cwd != tmp_path:

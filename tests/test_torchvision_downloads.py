@@ -12,11 +12,9 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -293,21 +291,6 @@ def test_leftover_empty_and_truncated_raw_files(tmp_path: Path, mnist, reference
     _assert_raw_equals_original(tmp_path / "root", mnist)
 
 
-@pytest.fixture()
-def read_only(tmp_path: Path):
-    mounted = []
-
-    def make(path: Path) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], check=True)
-        mounted.append(path)
-        return path
-
-    yield make
-    for path in mounted:
-        subprocess.run(["umount", str(path)], check=True)
-
-
 def test_read_only_root(tmp_path: Path, mnist, reference, read_only) -> None:
     empty = read_only(tmp_path / "empty")
     complete = tmp_path / "complete"
@@ -324,67 +307,6 @@ def test_read_only_root(tmp_path: Path, mnist, reference, read_only) -> None:
         assert res["status"] == "error" and res["error_type"] == "ConfigurationError", res
         assert str(empty) in res["error"] and "writable" in res["error"], res
     _assert_all_loaded(read_results(tmp_path / "res-complete"), range(2), reference)
-
-
-# -- atomic publication beyond MNIST: CIFAR10 on a small generated archive -------------------------------
-
-
-def _cifar10_files() -> tuple[dict[str, bytes], dict]:
-    """A CIFAR10-format tar.gz (6 batches + meta, 500 images each) and the class attributes naming it."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    members, train_list, test_list = {}, [], []
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {"data": rng.integers(0, 256, (500, 3072), dtype=np.uint8), "labels": rng.integers(0, 10, 500).tolist()}
-        members[name] = pickle.dumps(batch)
-        (test_list if name == "test_batch" else train_list).append([name, hashlib.md5(members[name]).hexdigest()])
-    members["batches.meta"] = pickle.dumps({"label_names": [f"c{i}" for i in range(10)]})
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    archive = buf.getvalue()
-    attrs = {
-        "url": "{mirror}cifar-10-python.tar.gz",
-        "tgz_md5": hashlib.md5(archive).hexdigest(),
-        "train_list": train_list,
-        "test_list": test_list,
-        "meta": {
-            "filename": "batches.meta",
-            "key": "label_names",
-            "md5": hashlib.md5(members["batches.meta"]).hexdigest(),
-        },
-    }
-    expected = np.vstack([pickle.loads(members[n])["data"] for n, _ in train_list]).reshape(-1, 3, 32, 32)
-    labels = np.concatenate([pickle.loads(members[n])["labels"] for n, _ in train_list]).astype(np.uint8)
-    attrs_ref = {
-        "data_sha": hashlib.sha256(np.ascontiguousarray(expected.transpose((0, 2, 3, 1))).tobytes()).hexdigest(),
-        "targets_sha": hashlib.sha256(labels.tobytes()).hexdigest(),
-    }
-    return {"cifar-10-python.tar.gz": archive}, {"attrs": attrs, "reference": attrs_ref}
-
-
-@pytest.mark.parametrize("disable", [False, True], ids=["nemo_safe", "upstream"])
-def test_cifar10_archive_published_atomically(tmp_path: Path, disable: bool) -> None:
-    """CIFAR10 has no single flight: every rank downloads and extracts, yet with nemo_safe
-    every file appears complete or not at all, so every rank loads the right data."""
-    files, spec = _cifar10_files()
-    with throttled(files) as mirror:
-        procs = _local_members(
-            4, tmp_path / "root", tmp_path / "res", mirror.url, "--dataset", "CIFAR10",
-            "--attrs", json.dumps(spec["attrs"]), "--skew", str(SKEW), NEMO_SAFE_DISABLE=str(int(disable)),
-        )  # fmt: skip
-        _finish(procs)
-    results = read_results(tmp_path / "res")
-    if disable:
-        bad = [r for r, res in results.items() if res["status"] != "ok"]
-        assert bad, f"upstream survived the skewed concurrent downloads: {results}"
-        return
-    _assert_all_loaded(results, range(4), spec["reference"])
-    _assert_clean_root(tmp_path / "root")
 
 
 def test_demo_download_race() -> None:

@@ -1,0 +1,237 @@
+"""Every other torchvision dataset with a ``download`` method: one download per root.
+
+In torchvision 0.29.1 every process that builds ``CIFAR10(root, download=True)``
+(or SVHN, STL10, Omniglot, OxfordIIITPet, ...) downloads and extracts into the
+same root at once: N times the bytes from a public mirror and N extractions into
+one folder (vision #8707, #8709). nemo_safe's atomic files already keep every
+file complete or absent; this patch makes one process per root and dataset
+class do the download while the others wait and then load.
+
+One generic wrapper, no per-class code: each covered class's ``__init__`` calls
+``self.download()`` (or ``self._download()``) under ``if download:`` and then
+checks the data with one method (``_check_integrity``, ``_check_exists``, ...),
+see :data:`COVERED`. The wrapper runs the class's own download in a
+:class:`~nemo_safe.single_flight.SingleFlight` in the dataset's root, one flight
+per class *and* per the arguments the instance holds when it downloads (``split``,
+``name``, ``background``, ...: SVHN's test split must not wait for, or fail with,
+its train split); a waiter returns once no process is downloading any more *and*
+that same check holds (a check that looks at one of several downloaded folders
+must not release it early), or raises the leader's error. No head start for rank
+0: a rank that downloads what rank 0 never asks for would wait for nothing.
+Ranks whose arguments differ do not meet and download as upstream does (each
+file still atomic). The verified-source gate (:data:`KNOWN_SOURCES`: the class's ``__init__``,
+download method and check) decides class by class; a class whose source
+differs keeps upstream's behaviour, with one warning naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from nemo_safe.patching import Patch, Replacements
+from nemo_safe.single_flight import SingleFlight, lock_folder_usable, run_else_upstream
+
+log = logging.getLogger(__name__)
+
+MODULE = "torchvision.datasets"
+
+#: Class -> (its download method, the check its ``__init__`` makes right after downloading). The MNIST
+#: family has its own patch (:mod:`nemo_safe.patches.torchvision_mnist`).
+COVERED: dict[str, tuple[str, str]] = {
+    "CIFAR10": ("download", "_check_integrity"),
+    "CIFAR100": ("download", "_check_integrity"),
+    "CLEVRClassification": ("_download", "_check_exists"),
+    "Caltech101": ("download", "_check_integrity"),
+    "Caltech256": ("download", "_check_integrity"),
+    "CelebA": ("download", "_check_integrity"),
+    "Country211": ("_download", "_check_exists"),
+    "DTD": ("_download", "_check_exists"),
+    "EuroSAT": ("download", "_check_exists"),
+    "FGVCAircraft": ("_download", "_check_exists"),
+    "Flowers102": ("download", "_check_integrity"),
+    "Food101": ("_download", "_check_exists"),
+    "GTSRB": ("download", "_check_exists"),
+    "Imagenette": ("_download", "_check_exists"),
+    "Kitti": ("download", "_check_exists"),
+    "MovingMNIST": ("download", "_check_exists"),
+    "Omniglot": ("download", "_check_integrity"),
+    "OxfordIIITPet": ("_download", "_check_exists"),
+    "PCAM": ("_download", "_check_exists"),
+    "PhotoTour": ("download", "_check_downloaded"),
+    "RenderedSST2": ("_download", "_check_exists"),
+    "SBU": ("download", "_check_integrity"),
+    "SEMEION": ("download", "_check_integrity"),
+    "STL10": ("download", "_check_integrity"),
+    "SUN397": ("_download", "_check_exists"),
+    "SVHN": ("download", "_check_integrity"),
+    "WIDERFace": ("download", "_check_integrity"),
+}
+
+#: Classes with ``download=True`` that stay as upstream has them, and why (the README lists them).
+NOT_COVERED: dict[str, str] = {
+    "INaturalist": "its check is 'the root folder is not empty', which the lock folder would make true",
+    "Kinetics": "downloads videos with its own pool of worker processes",
+    "LFWPeople": "download=True raises: no longer downloadable",
+    "LFWPairs": "download=True raises: no longer downloadable",
+    "StanfordCars": "download=True raises: no longer downloadable",
+    "Places365": "downloads inside __init__, not in a method that can be wrapped",
+    "SBDataset": "downloads inside __init__, not in a method that can be wrapped",
+    "VOCDetection": "downloads inside __init__, not in a method that can be wrapped",
+    "VOCSegmentation": "downloads inside __init__, not in a method that can be wrapped",
+    "USPS": "downloads inside __init__, not in a method that can be wrapped",
+    "Middlebury2014Stereo": "downloads inside __init__, not in a method that can be wrapped",
+}
+
+#: sha256 (first 16 hex) of each covered class's ``__init__``, download method and check, as verified.
+KNOWN_SOURCES: dict[str, dict[str, str]] = {
+    "torchvision 0.29.1": {
+        "CIFAR10": "76a1a7335b9ca402",
+        "CIFAR100": "76a1a7335b9ca402",
+        "CLEVRClassification": "bd8f51d03ba2b647",
+        "Caltech101": "5b6aafdd79f5dbc7",
+        "Caltech256": "3af14016cec5cfb5",
+        "CelebA": "7f17426b3fe427c3",
+        "Country211": "3961754d11bde4de",
+        "DTD": "ef9ff04a9ce95714",
+        "EuroSAT": "581619ba53dee845",
+        "FGVCAircraft": "f5ef5466ab7d4190",
+        "Flowers102": "12a8fd7ce5622751",
+        "Food101": "4a104b92d39cbfdf",
+        "GTSRB": "fef021e258fee295",
+        "Imagenette": "9611039154ac3519",
+        "Kitti": "3f003b120d86a90b",
+        "MovingMNIST": "b872574f7010da14",
+        "Omniglot": "c14012f6b3a2870a",
+        "OxfordIIITPet": "a260d9cead31ee53",
+        "PCAM": "8baeb212fddd8238",
+        "PhotoTour": "cd05889529a2a5ae",
+        "RenderedSST2": "4a6af48d7b9e5be3",
+        "SBU": "f9a0cd90bb304956",
+        "SEMEION": "19cc57a8f1a225fb",
+        "STL10": "d2ff9c8d8c91b2dc",
+        "SUN397": "6b95c169bd4e38bc",
+        "SVHN": "2dd92834ed6b3ced",
+        "WIDERFace": "cea49a7f5afcda1a",
+    },
+}
+
+_warned: set[str] = set()
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class that defines ``name`` for ``cls`` (CIFAR100 downloads with CIFAR10's method)."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def class_digest(cls: type, method: str, check: str) -> str:
+    """What the wrapper relies on, upstream's versions (also when the wrapper is in place)."""
+    parts = (cls.__init__, _owner(cls, method).__dict__[method], getattr(cls, check))
+    text = "".join(inspect.getsource(inspect.unwrap(part)) for part in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def recognised(module: ModuleType) -> tuple[str | None, dict[str, type]]:
+    """The release and the covered classes whose sources match it (the others are left alone)."""
+    found: dict[str, str] = {}
+    for name, (method, check) in COVERED.items():
+        try:
+            found[name] = class_digest(getattr(module, name), method, check)
+        except (AttributeError, KeyError, OSError, StopIteration, TypeError):
+            continue
+    for release, digests in KNOWN_SOURCES.items():
+        matching = {name: getattr(module, name) for name, digest in digests.items() if found.get(name) == digest}
+        if matching:
+            return release, matching
+    return None, {}
+
+
+def single_flight(original: Callable[[Any], None], check: str) -> Callable[[Any], None]:
+    """The class's own download method, run by one process per root and class; the others wait until
+    nobody downloads any more and ``self.<check>()`` holds, or raise the leader's error."""
+
+    def download(self: Any) -> None:
+        folder = os.path.abspath(os.path.expanduser(os.fspath(self.root)))
+        try:
+            os.makedirs(folder, exist_ok=True)  # upstream's download creates it anyway
+        except OSError:
+            return original(self)  # upstream's own outcome (and error)
+        if not lock_folder_usable(folder):
+            return original(self)  # a read-only root, another user's lock folder: as upstream
+        name = type(self).__name__
+        flight = SingleFlight(folder, f"download-{name}-{arguments_key(self)}", what=f"{name} download into {folder}")
+
+        def done() -> bool:
+            return not flight.leader_running() and bool(getattr(self, check)())
+
+        run_else_upstream(flight, lambda: original(self), done)
+
+    download.__wrapped__ = original  # type: ignore[attr-defined]
+    download.__doc__ = original.__doc__
+    return download
+
+
+def arguments_key(dataset: Any) -> str:
+    """12 hex of sha256 over the dataset's class (module and name: a user's subclass is another class) and
+    every attribute it holds that JSON can spell (strings, numbers, paths, lists of them: the split,
+    the name, the folders derived from them). Equal on every rank that builds the same dataset; callables
+    and other objects (transforms, loaders) are left out, so they cannot tell equal ranks apart."""
+    cls = type(dataset)
+    spelled = {}
+    for name, value in vars(dataset).items():
+        try:
+            spelled[name] = json.dumps(value, sort_keys=True, default=_path_or_refuse)
+        except (TypeError, ValueError):
+            continue
+    text = f"{cls.__module__}.{cls.__qualname__}|" + json.dumps(spelled, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+def _path_or_refuse(value: Any) -> str:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(type(value).__name__)
+
+
+def _apply(module: ModuleType) -> Replacements | None:
+    release, classes = recognised(module)
+    unverified = sorted(set(COVERED) - set(classes))
+    if unverified and "unverified" not in _warned:
+        _warned.add("unverified")
+        log.warning(
+            "nemo_safe: torchvision.datasets: %s do not match a release nemo_safe was verified against (%s); "
+            "their downloads stay as upstream has them (every process downloads).",
+            ", ".join(unverified),
+            ", ".join(KNOWN_SOURCES),
+        )
+    if not classes:
+        return None
+    changes = Replacements(f"one download per root for {len(classes)} dataset classes ({release})")
+    patched: set[type] = set()
+    for name, cls in classes.items():
+        method, check = COVERED[name]
+        owner = _owner(cls, method)
+        changes.expect(module, name)
+        if owner in patched:
+            continue
+        patched.add(owner)
+        original = owner.__dict__[method]
+        changes.set(owner, method, single_flight(original, check), original=original)
+    return changes
+
+
+def _describe(module: ModuleType) -> str:
+    """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
+    release, classes = recognised(module)
+    if release is None:
+        return "unknown torchvision version: every process downloads every dataset"
+    return f"recognised as {release} ({len(classes)} of {len(COVERED)} classes): every process downloads"
+
+
+PATCHES: tuple[Patch, ...] = (Patch(MODULE, "torchvision-datasets-single-flight", _apply, _describe),)
