@@ -4,8 +4,8 @@ In torchvision 0.29.1 every process that builds ``CIFAR10(root, download=True)``
 (or SVHN, STL10, Omniglot, OxfordIIITPet, ...) downloads and extracts into the
 same root at once: N times the bytes from a public mirror and N extractions into
 one folder (vision #8707, #8709). nemo_safe's atomic files already keep every
-file complete or absent; this patch makes one process per root and dataset
-class do the download while the others wait and then load.
+file complete or absent; this patch makes one process per root, dataset
+class and arguments do the download while the others wait and then load.
 
 One generic wrapper, no per-class code: each covered class's ``__init__`` calls
 ``self.download()`` (or ``self._download()``) under ``if download:`` and then
@@ -153,8 +153,9 @@ def recognised(module: ModuleType) -> tuple[str | None, dict[str, type]]:
 
 
 def single_flight(original: Callable[[Any], None], check: str) -> Callable[[Any], None]:
-    """The class's own download method, run by one process per root and class; the others wait until
-    nobody downloads any more and ``self.<check>()`` holds, or raise the leader's error."""
+    """The class's own download method, run by one process per root, class and arguments (see
+    :func:`arguments_key`); the others wait until nobody downloads any more and ``self.<check>()``
+    holds, or raise the leader's error."""
 
     def download(self: Any) -> None:
         folder = os.path.abspath(os.path.expanduser(os.fspath(self.root)))
