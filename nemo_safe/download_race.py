@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,20 +111,23 @@ def build(
 
 
 def item_digests(ds: Any) -> dict[str, Any]:
-    """For datasets without ``.data``: sha256 over every item's (image pixels, target), in any order
-    (the order of some datasets follows a directory listing), and over the targets alone."""
+    """For datasets without ``.data``: :func:`digests_of_items` over every (image, target) it loads."""
+    return {**digests_of_items(ds[index] for index in range(len(ds))), "items": len(ds)}
+
+
+def digests_of_items(items: Iterable[tuple[Any, Any]]) -> dict[str, str]:
+    """sha256 over every item's (image pixels, target), in any order (the order of some datasets follows
+    a directory listing), and over the targets alone; a test computes the reference from its own arrays."""
     import numpy as np
 
     per_item, targets = [], []
-    for index in range(len(ds)):
-        image, target = ds[index]
+    for image, target in items:
         pixels = np.ascontiguousarray(np.asarray(image)).tobytes()
         per_item.append(hashlib.sha256(pixels + b"|" + repr(target).encode()).hexdigest())
         targets.append(repr(target))
     return {
         "data_sha": hashlib.sha256("".join(sorted(per_item)).encode()).hexdigest(),
         "targets_sha": hashlib.sha256("\n".join(sorted(targets)).encode()).hexdigest(),
-        "items": len(ds),
     }
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_safe.download_race import digests_of_items
+
 
 @dataclass
 class DatasetFiles:
@@ -52,14 +54,7 @@ def _png(pixels: np.ndarray) -> bytes:
 
 def item_reference(items: list[tuple[np.ndarray, Any]]) -> dict[str, str]:
     """What :func:`nemo_safe.download_race.item_digests` gives for these (image pixels, target) items."""
-    per_item = sorted(
-        hashlib.sha256(np.ascontiguousarray(img).tobytes() + b"|" + repr(t).encode()).hexdigest() for img, t in items
-    )
-    targets = sorted(repr(t) for _, t in items)
-    return {
-        "data_sha": hashlib.sha256("".join(per_item).encode()).hexdigest(),
-        "targets_sha": hashlib.sha256("\n".join(targets).encode()).hexdigest(),
-    }
+    return digests_of_items(items)
 
 
 def cifar10(images_per_batch: int = 500) -> DatasetFiles:
