@@ -42,7 +42,7 @@ TESTS = HERE.parent / "tests"
 sys.path.insert(0, str(TESTS))  # the test data generators (dataset_files, hub_worker), not part of the library
 
 from nemo_safe import download_race  # noqa: E402
-from nemo_safe.local_ranks import without_launchers  # noqa: E402
+from nemo_safe.cluster_identity import without_launchers  # noqa: E402
 from nemo_safe.loopback_mirror import LoopbackMirror  # noqa: E402
 
 MNIST_DIR = HERE.parents[1] / "shared" / "data" / "mnist"

@@ -24,18 +24,16 @@ import tempfile
 from pathlib import Path
 
 from nemo_safe import demo
+from nemo_safe.cluster_identity import without_launchers
 
 MEMBER = str(Path(__file__).resolve().parent / "exp_manager_member.py")
 OLD_FILES = 2000
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def clean_env() -> dict[str, str]:
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
-    return {**env, "PYTHONUNBUFFERED": "1"}
+    return {**without_launchers(os.environ), "PYTHONUNBUFFERED": "1"}
 
 
 def launch(launcher: str, config: str, tmp: Path) -> dict[str, list[float]]:

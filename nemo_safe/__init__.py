@@ -18,12 +18,11 @@ Public API::
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from nemo_safe import patches, patching, platform_support
-from nemo_safe.barrier import Barrier, rank_zero_first
-from nemo_safe.cluster_identity import ClusterIdentity
-from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.errors import (
     BarrierTimeout,
     ConfigurationError,
@@ -34,7 +33,36 @@ from nemo_safe.errors import (
     UnsafeBarrierPath,
     WaitTimeout,
 )
-from nemo_safe.single_flight import SingleFlight
+
+if TYPE_CHECKING:
+    from nemo_safe.barrier import Barrier, rank_zero_first
+    from nemo_safe.cluster_identity import ClusterIdentity
+    from nemo_safe.cluster_identity import detect as detect_identity
+    from nemo_safe.single_flight import SingleFlight
+
+#: Public names imported on first use, so that ``import nemo_safe`` (in every process of a job,
+#: most of which never call them) stays cheap: name -> (module, attribute).
+_ON_FIRST_USE = {
+    "Barrier": ("nemo_safe.barrier", "Barrier"),
+    "rank_zero_first": ("nemo_safe.barrier", "rank_zero_first"),
+    "ClusterIdentity": ("nemo_safe.cluster_identity", "ClusterIdentity"),
+    "detect_identity": ("nemo_safe.cluster_identity", "detect"),
+    "SingleFlight": ("nemo_safe.single_flight", "SingleFlight"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _ON_FIRST_USE[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ON_FIRST_USE})
+
 
 __version__ = "0.1.0"
 

@@ -53,6 +53,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.member:
         result = demo.run_member(Path(args.log_dir), Path(args.side), args.devices, args.nodes, args.rank0_delay)
+        demo.write_result(Path(args.side), result)
         print(json.dumps(result), flush=True)
         return 0 if result["status"] == "ok" else 1
     use_slurm = False if args.local else None

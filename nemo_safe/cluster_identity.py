@@ -22,6 +22,18 @@ INTERACTIVE_SLURM_JOB_NAMES = ("bash", "interactive")
 
 _MAX_KEY_LEN = 120
 
+#: The variables launchers set to place a process in a job (the launcher classes below read them):
+#: a child job started from a rank must not inherit them, or it is taken for a rank of this job.
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+LAUNCHER_NAMES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def without_launchers(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without any launcher's variables (:data:`LAUNCHER_PREFIXES`, :data:`LAUNCHER_NAMES`)."""
+    return {k: v for k, v in env.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+
 
 @dataclass(frozen=True)
 class ClusterIdentity:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_safe import local_ranks
+from nemo_safe import cluster_identity, local_ranks
 from nemo_safe.errors import NemoSafeError
 
-RESULT_PREFIX = '{"rank"'
+RESULT_PREFIX = "result."
 OLD_PREFIX = "old_"
 
 
@@ -121,12 +121,21 @@ def run_member(log_dir: Path, side: Path, devices: int, nodes: int, rank0_delay:
     return result
 
 
-def parse_results(stdout: str) -> dict[int, dict[str, Any]]:
+def write_result(side: Path, result: dict[str, Any]) -> None:
+    """A file per rank, not a line on stdout: srun forwards output in chunks of about 1 KiB, so another
+    task's chunk of a long line (NeMo's config dump) can land in front of a result line."""
+    final = side / f"{RESULT_PREFIX}{result['rank']}.json"
+    tmp = final.with_name(f".{final.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, final)
+
+
+def read_results(side: Path) -> dict[int, dict[str, Any]]:
+    """The results the ranks of one run wrote with :func:`write_result`, by rank."""
     results = {}
-    for line in stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            res = json.loads(line)
-            results[res["rank"]] = res
+    for path in side.glob(f"{RESULT_PREFIX}*.json"):
+        res = json.loads(path.read_text())
+        results[res["rank"]] = res
     return results
 
 
@@ -204,10 +213,9 @@ def run(
                 "--kill-on-bad-exit=0",
                 *member,
             ]
-            env = {**local_ranks.without_launchers(os.environ), **overrides}
+            env = {**cluster_identity.without_launchers(os.environ), **overrides}
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-            stdout = out.stdout
-            if not parse_results(stdout):
+            if not read_results(side):
                 tail = "\n".join(out.stderr.strip().splitlines()[-5:])
                 raise NemoSafeError(
                     f"demo: `{' '.join(cmd[:5])} ...` produced no result (exit {out.returncode}):\n"
@@ -215,10 +223,11 @@ def run(
                 )
         else:
             procs = local_ranks.start(member, world, overrides, stderr=subprocess.DEVNULL)
-            stdout = "".join(p.communicate(timeout=3600)[0] for p in procs)
+            for proc in procs:
+                proc.communicate(timeout=3600)
         run0 = log_dir / "run_0"
         moved = [p.name for p in run0.iterdir()] if run0.is_dir() else []
-        variants.append(Variant(name, parse_results(stdout), sum(1 for n in moved if not n.startswith(OLD_PREFIX))))
+        variants.append(Variant(name, read_results(side), sum(1 for n in moved if not n.startswith(OLD_PREFIX))))
         shutil.rmtree(base, ignore_errors=True)
     where = (
         f"srun -N{nodes} --ntasks-per-node={tasks_per_node} (real SLURM step)"

@@ -169,10 +169,13 @@ def _spawned(index: int, args: argparse.Namespace) -> None:
         _attempt(index, args)
         return
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=index, world_size=args.nprocs)
-    dist.barrier()  # released together, like the ranks of the FSDP tutorial
-    time.sleep(index * args.skew)
     try:
-        _attempt(index, args)
+        # --then: further datasets, each a fresh race (its own root, results and mirror) after the same barrier,
+        # so that one spawn (whose start-up dominates a test) serves several.
+        for job in [{}, *json.loads(args.then or "[]")]:
+            dist.barrier()  # released together, like the ranks of the FSDP tutorial
+            time.sleep(index * args.skew)
+            _attempt(index, argparse.Namespace(**{**vars(args), **job}))
     finally:
         dist.destroy_process_group()
 
@@ -236,10 +239,13 @@ def run_spawn(
     dataset: str = "MNIST",
     attrs: dict[str, Any] | None = None,
     kwargs: dict[str, Any] | None = None,
+    then: list[dict[str, Any]] | None = None,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m nemo_safe.download_race spawn``: ``nprocs`` ranks by torch.multiprocessing.spawn."""
-    from nemo_safe.local_ranks import without_launchers
+    """``python -m nemo_safe.download_race spawn``: ``nprocs`` ranks by torch.multiprocessing.spawn.
+    ``then``: further races in the same processes, each a dict of ``root``, ``results``, ``mirror``,
+    ``dataset`` and ``attrs``/``kwargs`` as JSON text (see ``--then``)."""
+    from nemo_safe.cluster_identity import without_launchers
 
     results.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -253,11 +259,15 @@ def run_spawn(
         cmd += ["--kwargs", json.dumps(kwargs)]
     if resources is not None:
         cmd += ["--resources", json.dumps(resources)]
+    if then:
+        if not init:
+            raise ValueError("then= needs init=True: the races are lined up by the process group's barrier")
+        for job in then:
+            Path(job["results"]).mkdir(parents=True, exist_ok=True)
+        cmd += ["--then", json.dumps(then)]
     if not init:
         cmd.append("--no-init")
     env = {**without_launchers(os.environ), "NEMO_SAFE_DISABLE": "1" if disable else "0"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(var, None)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -335,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-init", dest="init", action="store_false", help="spawn: no init_process_group at all")
     p.add_argument("--node-local", action="store_true", help="member: use <root>/node<node rank> as the root")
     p.add_argument("--gate", help="member: a shared directory where all ranks line up first")
+    p.add_argument("--then", help="spawn: JSON list of further races (objects overriding --root, --results, ...)")
     args = p.parse_args(argv)
     if args.mode == "spawn":
         import torch.multiprocessing as mp

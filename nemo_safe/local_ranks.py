@@ -13,16 +13,11 @@ import secrets
 import subprocess
 from collections.abc import Mapping, Sequence
 
-_FOREIGN_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_")
-
-
-def without_launchers(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` minus SLURM / Open MPI / PMIx variables, so a child job is not mistaken for ours."""
-    return {k: v for k, v in env.items() if not k.startswith(_FOREIGN_LAUNCHER_PREFIXES)}
+from nemo_safe.cluster_identity import without_launchers
 
 
 def job_env(world: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This environment minus other launchers' variables, plus the job-wide torchrun-style ones."""
+    """This environment minus every launcher's variables, plus the job-wide torchrun-style ones."""
     env = without_launchers(os.environ)
     env.update(
         WORLD_SIZE=str(world),

@@ -18,16 +18,18 @@ repaired by :func:`enable`.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import importlib
 import logging
 import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # importlib.abc costs ~15 ms (importlib.resources); the import system needs no base class
+    import importlib.abc
+    import importlib.machinery
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,7 @@ DISABLE_ENV = "NEMO_SAFE_DISABLE"
 Undo = Callable[[], None]
 
 
-@dataclass(frozen=True)
-class Patch:
+class Patch(NamedTuple):
     """``apply(module)`` changes ``module`` in place and returns the :class:`Replacements` it
     made, or None when it decided not to patch (for example an unknown upstream version).
     ``describe(module)`` says, for ``nemo-safe doctor``, what the unpatched module is to the
@@ -52,12 +53,109 @@ class Patch:
     describe: Callable[[ModuleType], str] | None = None
 
 
+def deferred(module: str, *functions: str) -> tuple[Callable[..., Any], ...]:
+    """Stand-ins for ``module``'s ``functions`` that import it on their first call: registering a
+    patch then costs nothing, and the patch's own imports (``urllib.request``, ``inspect``, ...)
+    happen only when the library it patches is imported."""
+
+    def stand_in(function: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(importlib.import_module(module), function)(*args, **kwargs)
+
+        call.__qualname__ = call.__name__ = f"{module}.{function}"
+        call.load = lambda: importlib.import_module(module)  # type: ignore[attr-defined]
+        return call
+
+    return tuple(stand_in(function) for function in functions)
+
+
+def _load_deferred(module_names: set[str]) -> None:
+    """Import the deferred patch modules of the patches for ``module_names`` *before* taking the
+    registry lock: an import under it could wait for a thread that is importing a watched module and
+    waits for the lock. A module that fails to import is reported when its patch is applied."""
+    with _lock:
+        loads = [getattr(p.apply, "load", None) for p in _registry if p.module in module_names]
+    for load in loads:
+        if load is not None:
+            try:
+                load()
+            except Exception:  # the apply that follows fails the same way and logs it under the patch's name
+                pass
+
+
+class SourceGate:
+    """The version gate every patch declares: sha256 over the upstream sources of the ``parts`` of
+    the module it changes (unwrapped, so a patched module gives the same) must be a digest in
+    ``known`` (digest -> release); anything else keeps upstream's behaviour, with one warning
+    per process (a job of thousands of ranks logs it once per rank, not per import).
+
+    ``library`` names the distribution ("NeMo", "torchvision", "torch") in messages; ``unpatched``
+    says what upstream does, for ``nemo-safe doctor``; ``consequence`` what staying upstream means.
+    ``also`` is an extra condition on the module (e.g. the order of calls the patch relies on)."""
+
+    #: What reading a part's source can raise for a changed or compiled module.
+    UNREADABLE = (AttributeError, KeyError, OSError, StopIteration, TypeError)
+
+    def __init__(
+        self,
+        target: str,
+        parts: Callable[[ModuleType], Sequence[object]],
+        known: dict[str, str],
+        library: str,
+        unpatched: str,
+        consequence: str,
+        also: Callable[[ModuleType], bool] | None = None,
+    ) -> None:
+        self.target, self.parts, self.known, self.library = target, parts, known, library
+        self.unpatched, self.consequence, self.also = unpatched, consequence, also
+        self._warned = False
+
+    def digest(self, module: ModuleType) -> str:
+        import hashlib
+        import inspect
+
+        text = "".join(inspect.getsource(inspect.unwrap(part)) for part in self.parts(module))  # type: ignore[arg-type]
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def recognise(self, module: ModuleType) -> str | None:
+        """The verified release ``module`` is (patched or not), or None."""
+        try:
+            release = self.known.get(self.digest(module))
+            return release if release is not None and (self.also is None or self.also(module)) else None
+        except self.UNREADABLE:
+            return None
+
+    def warn_unknown(self, module: ModuleType) -> None:
+        with _lock:
+            if self._warned:
+                return
+            self._warned = True
+        try:
+            digest = self.digest(module)[:16] + "..."
+        except self.UNREADABLE:
+            digest = "unreadable"
+        log.warning(
+            "nemo_safe: %s (sources sha256 %s) does not match a %s release nemo_safe knows (%s); it is left "
+            "untouched: %s. Run `nemo-safe doctor` and report the %s version.",
+            self.target, digest, self.library, ", ".join(sorted(set(self.known.values()))), self.consequence,
+            self.library,
+        )  # fmt: skip
+
+    def describe(self, module: ModuleType) -> str:
+        """What the unpatched module is to the patch (see :class:`Patch`)."""
+        release = self.recognise(module)
+        if release is None:
+            return f"unknown {self.library} version (sources of {self.target} do not match a known release): " + (
+                self.unpatched
+            )
+        return f"recognised as {release}: {self.unpatched}"
+
+
 _CURRENT = object()
 _MISSING = object()
 
 
-@dataclass
-class _Slot:
+class _Slot(NamedTuple):
     """One attribute or mapping item a patch set (or only expects to stay the same object)."""
 
     read: Callable[[], object]
@@ -119,8 +217,7 @@ class Replacements:
                 slot.write(slot.previous)
 
 
-@dataclass
-class _Applied:
+class _Applied(NamedTuple):
     """A patch applied to ``module``, the object ``sys.modules[name]`` held then."""
 
     name: str
@@ -239,6 +336,9 @@ def _apply(patch: Patch, module: ModuleType) -> None:
 
 
 def _on_import(module: ModuleType) -> None:
+    if _finder is None:
+        return
+    _load_deferred({module.__name__})
     with _lock:
         if _finder is None:
             return
@@ -257,7 +357,7 @@ def _on_import(module: ModuleType) -> None:
                 _apply(patch, target)
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     """Delegates to the real loader, then applies the patches of the module."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
@@ -274,7 +374,7 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
+class _PostImportFinder:
     """Finds watched modules through the other finders and wraps their loaders (for
     ``importlib.reload`` too: it finds the spec again through ``sys.meta_path``)."""
 
@@ -315,6 +415,7 @@ def enable() -> bool:
     if disabled_by_env():
         log.info("nemo_safe: %s is set; no library is patched", DISABLE_ENV)
         return False
+    _load_deferred({name for name in {p.module for p in registered()} if name in sys.modules})
     with _lock:
         if _finder is None:
             _finder = _PostImportFinder()

@@ -8,7 +8,8 @@ Modes:
          resuming from the last checkpoint when there is one.
 
 ``import nemo_safe`` happens first unless NEMO_SAFE_DISABLE=1 makes it a no-op
-(the upstream twin). Prints one JSON line.
+(the upstream twin). Writes its result to ``--side`` (see ``demo.write_result``) and, in train
+mode, also prints it as one JSON line.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main() -> int:
             demo.start_gate(side, ident.rank, ident.world_size, "imported")
             os._exit(17)
         result = demo.run_member(log_dir, side, args.devices, args.nodes, args.rank0_delay)
-        print(json.dumps(result), flush=True)
+        demo.write_result(side, result)
         return 0 if result["status"] == "ok" else 3
 
     import lightning.pytorch as pl
@@ -65,7 +66,7 @@ def main() -> int:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    from nemo_safe.demo import cpu_trainer_kwargs, resume_cfg
+    from nemo_safe.demo import cpu_trainer_kwargs, resume_cfg, write_result
 
     trainer = pl.Trainer(strategy="ddp", max_steps=args.max_steps, **cpu_trainer_kwargs(args.devices, args.nodes))
     checkpointing = {
@@ -83,6 +84,7 @@ def main() -> int:
         exp_manager(trainer, cfg)
     except Exception as exc:
         result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:2000])
+        write_result(side, result)
         print(json.dumps(result), flush=True)
         return 3
     result["exp_manager_seconds"] = time.monotonic() - started
@@ -91,6 +93,7 @@ def main() -> int:
     data = torch.utils.data.TensorDataset(torch.randn(64, 4))
     trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
     result["global_step"] = trainer.global_step
+    write_result(side, result)
     print(json.dumps(result), flush=True)
     return 0
 

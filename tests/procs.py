@@ -11,15 +11,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nemo_safe.cluster_identity import without_launchers
+
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "barrier_worker.py")
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher variables (the test runner may itself run under one)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    env = without_launchers(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

@@ -293,7 +293,10 @@ def test_rerun_inside_one_srun_step_takes_over_the_earlier_runs_records(tmp_path
     work = tmp_path / "work"
     work.mkdir()
     env = lambda rank: slurm_env(rank, 3, "888")  # noqa: E731
-    first = start_ranks(3, env, ["--dir", str(work), "--open", "--rank0-fault", "raise", "--work-seconds", "0"])
+    # Run 1's rank 0 fails and exits before the others arrive: they cannot tell its outcome from an earlier
+    # attempt's, so they wait out their timeout (5 s here: their outcome is not what this test is about).
+    run1 = ["--dir", str(work), "--open", "--rank0-fault", "raise", "--work-seconds", "0", "--timeout", "5"]
+    first = start_ranks(3, env, run1)
     first.finish(HANG_GUARD)
     assert list(work.glob(".nemo_safe/*/leader")), "run 1 must leave its claim for this test to mean anything"
     time.sleep(6)  # run 2 starts later than the clock-skew margin after run 1 published

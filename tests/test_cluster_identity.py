@@ -143,6 +143,15 @@ def test_sanitize_keeps_plain_values() -> None:
     assert sanitize_component("slurm-c1-1234-r0-s0") == "slurm-c1-1234-r0-s0"
 
 
+@pytest.mark.parametrize("hostile", ["../../x", "..", ".hidden", "-rf", "", "a/b\x00c", "x" * 500])
+def test_sanitize_component_alone(hostile: str) -> None:
+    """The keys above all start with the launcher's name, so the leading-dot rule is tested here directly."""
+    clean = sanitize_component(hostile)
+    assert clean and not clean.startswith((".", "-")) and ".." not in clean, clean
+    assert "/" not in clean and "\x00" not in clean and len(clean) <= 120, clean
+    assert clean != sanitize_component(hostile + "1")
+
+
 @pytest.mark.parametrize(
     "env,needle",
     [

@@ -50,6 +50,12 @@ class Series:
     #: Upstream test files the release wheel lacks, added to the pristine tree as they were released:
     #: path -> (distribution, version) of a wheel that ships it (NeMo 2.7.3's wheel ships its tests/).
     upstream_files: tuple[tuple[str, str, str], ...] = ()
+    #: The releases on which the series' test files are run whole (patched and unpatched); on the other
+    #: verified releases only the tests the series adds run patched, and its race tests unpatched. Empty: all.
+    whole_files_on: tuple[str, ...] = ()
+
+    def runs_whole_files(self, version: str) -> bool:
+        return not self.whole_files_on or version in self.whole_files_on
 
 
 def _copy_tests(project: str, tree: Path, *relative: str) -> None:

@@ -1,23 +1,28 @@
 """The library patches nemo_safe applies: one module per patched library function.
 
-Importing this package imports none of the patched libraries.
+This registry is all ``import nemo_safe`` loads: a patch's own module (and what it imports,
+such as ``urllib.request`` for the download patches) is imported only when the library it
+patches is, through :func:`nemo_safe.patching.deferred`. Importing this package imports none
+of the patched libraries.
 """
 
 from __future__ import annotations
 
-from nemo_safe.patches import (
-    nemo_exp_manager,
-    torch_hub,
-    torchvision_datasets,
-    torchvision_downloads,
-    torchvision_mnist,
-)
-from nemo_safe.patching import Patch
+from nemo_safe.patching import Patch, deferred
 
+
+def _patch(module: str, name: str, implementation: str, apply: str, describe: str) -> Patch:
+    return Patch(module, name, *deferred(f"{__name__}.{implementation}", apply, describe))
+
+
+#: In the order they are applied; a module's patches follow the patches of the modules it imports.
 ALL: tuple[Patch, ...] = (
-    nemo_exp_manager.PATCH,
-    *torchvision_downloads.PATCHES,
-    torchvision_mnist.PATCH,
-    *torchvision_datasets.PATCHES,
-    *torch_hub.PATCHES,
-)
+    _patch("nemo.utils.exp_manager", "nemo-exp-manager-resume", "nemo_exp_manager", "apply", "describe"),
+    _patch("torchvision.datasets.utils", "torchvision-atomic-downloads", "torchvision_downloads", "apply_utils",
+           "describe_utils"),
+    _patch("torchvision.datasets", "torchvision-download-url-bindings", "torchvision_downloads", "apply_bindings",
+           "describe_bindings"),
+    _patch("torchvision.datasets.mnist", "torchvision-mnist-single-flight", "torchvision_mnist", "apply", "describe"),
+    _patch("torchvision.datasets", "torchvision-datasets-single-flight", "torchvision_datasets", "apply", "describe"),
+    _patch("torch.hub", "torch-hub-single-flight", "torch_hub", "apply", "describe"),
+)  # fmt: skip

@@ -22,7 +22,6 @@ before ``fit()``, an interactive SLURM shell) nothing changes.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 import os
@@ -36,7 +35,7 @@ from typing import Any
 from nemo_safe import cluster_identity
 from nemo_safe.patches import nemo_resume_order
 from nemo_safe.patches.nemo_resume_order import ResumeOrder
-from nemo_safe.patching import Patch, Replacements
+from nemo_safe.patching import Replacements, SourceGate
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +60,23 @@ def _source(function: Callable[..., Any]) -> str:
     return inspect.getsource(inspect.unwrap(function))
 
 
-def source_digest(module: ModuleType) -> str:
-    sources = (_source(module.check_resume), _source(module.get_log_dir))
-    return hashlib.sha256("".join(sources).encode()).hexdigest()
-
-
-def recognise(module: ModuleType) -> str | None:
-    """Which verified release this module is (patched or not), or None."""
-    try:
-        release = KNOWN_SOURCES.get(source_digest(module))
-        body = _source(module.exp_manager)
-    except (AttributeError, OSError, TypeError):
-        return None
+def _calls_in_order(module: ModuleType) -> bool:
+    """``exp_manager()`` calls what the patch replaces in the order it relies on."""
+    body = _source(module.exp_manager)
     positions = [body.find(call) for call in EXP_MANAGER_CALLS]
-    return release if -1 not in positions and positions == sorted(positions) else None
+    return -1 not in positions and positions == sorted(positions)
+
+
+GATE = SourceGate(
+    MODULE,
+    lambda module: [module.check_resume, module.get_log_dir],
+    KNOWN_SOURCES,
+    library="NeMo",
+    unpatched="upstream's exp_manager runs (resume race remains)",
+    consequence="exp_manager keeps upstream's resume race",
+    also=_calls_in_order,
+)
+source_digest, recognise = GATE.digest, GATE.recognise
 
 
 _calls = threading.local()
@@ -214,20 +216,7 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
 def apply(module: ModuleType) -> Replacements | None:
     release = recognise(module)
     if release is None:
-        digest = "unreadable"
-        try:
-            digest = source_digest(module)[:16]
-        except (AttributeError, OSError, TypeError):
-            pass
-        nemo_resume_order.warn_once(
-            "version",
-            "nemo_safe: %s (check_resume + get_log_dir sources sha256 %s...) does not match a NeMo release nemo_safe "
-            "knows (%s); it is left untouched, so exp_manager keeps upstream's resume race. "
-            "Run `nemo-safe doctor` and report the NeMo version.",
-            MODULE,
-            digest,
-            ", ".join(KNOWN_SOURCES.values()),
-        )
+        GATE.warn_unknown(module)
         return None
     changes = Replacements(f"matches {release}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep")
     changes.set(module, "get_log_dir", _make_get_log_dir(module.get_log_dir))
@@ -237,12 +226,4 @@ def apply(module: ModuleType) -> Replacements | None:
     return changes
 
 
-def describe(module: ModuleType) -> str:
-    """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
-    release = recognise(module)
-    if release is None:
-        return "check_resume/get_log_dir do not match a known release: upstream's resume race remains"
-    return f"matches {release}: upstream's exp_manager runs (resume race remains)"
-
-
-PATCH = Patch(MODULE, "nemo-exp-manager-resume", apply, describe)
+describe = GATE.describe

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import logging
 import os
 import re
 from collections.abc import Callable
 from types import ModuleType
 
-from nemo_safe.patching import Patch, Replacements
+from nemo_safe.patching import Replacements, SourceGate
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable, run_else_upstream
 
 log = logging.getLogger(__name__)
@@ -57,23 +56,15 @@ KNOWN_SOURCES = {
 MAX_NAME = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
-_warned: list[str] = []
-
-
-def source_digest(module: ModuleType) -> str:
-    """sha256 over the sources of :data:`FUNCTIONS` (unwrapped, so a patched module gives the same)."""
-    h = hashlib.sha256()
-    for name in FUNCTIONS:
-        h.update(inspect.getsource(inspect.unwrap(getattr(module, name))).encode())
-    return h.hexdigest()
-
-
-def recognise(module: ModuleType) -> str | None:
-    """The release ``module``'s functions are known from, or None."""
-    try:
-        return KNOWN_SOURCES.get(source_digest(module))
-    except (AttributeError, OSError, TypeError):
-        return None
+GATE = SourceGate(
+    MODULE,
+    lambda module: [getattr(module, name) for name in FUNCTIONS],
+    KNOWN_SOURCES,
+    library="torch",
+    unpatched="downloads as upstream does (every process that misses a file in the hub folder)",
+    consequence="pretrained-weight downloads stay as upstream has them (every process downloads)",
+)
+source_digest, recognise = GATE.digest, GATE.recognise
 
 
 def flight_name(dst: str) -> str:
@@ -138,27 +129,14 @@ def _check_hash(path: str, hash_prefix: str) -> None:
         raise RuntimeError(f'invalid hash value (expected "{hash_prefix}", got "{digest}")')
 
 
-def _apply(module: ModuleType) -> Replacements | None:
+def apply(module: ModuleType) -> Replacements | None:
     known = recognise(module)
     if known is None:
-        if MODULE not in _warned:
-            _warned.append(MODULE)
-            log.warning(
-                "nemo_safe: torch.hub is a version nemo_safe was not verified against; pretrained-weight "
-                "downloads are left unchanged (every process downloads). Known: %s",
-                ", ".join(KNOWN_SOURCES.values()),
-            )
+        GATE.warn_unknown(module)
         return None
     changes = Replacements(f"one download per destination file at a time ({known})")
     changes.set(module, "download_url_to_file", single_flight_download(module.download_url_to_file))
     return changes
 
 
-def _describe(module: ModuleType) -> str:
-    """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
-    known = recognise(module)
-    version = f"recognised as {known}" if known else "unknown torch version"
-    return f"{version}: downloads as upstream does (every process that misses a file in the hub folder)"
-
-
-PATCHES: tuple[Patch, ...] = (Patch(module=MODULE, name="torch-hub-single-flight", apply=_apply, describe=_describe),)
+describe = GATE.describe

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from nemo_safe.patching import Patch, Replacements
+from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable, run_else_upstream
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def _path_or_refuse(value: Any) -> str:
     raise TypeError(type(value).__name__)
 
 
-def _apply(module: ModuleType) -> Replacements | None:
+def apply(module: ModuleType) -> Replacements | None:
     release, classes = recognised(module)
     unverified = sorted(set(COVERED) - set(classes))
     if unverified and "unverified" not in _warned:
@@ -227,12 +227,9 @@ def _apply(module: ModuleType) -> Replacements | None:
     return changes
 
 
-def _describe(module: ModuleType) -> str:
+def describe(module: ModuleType) -> str:
     """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
     release, classes = recognised(module)
     if release is None:
         return "unknown torchvision version: every process downloads every dataset"
     return f"recognised as {release} ({len(classes)} of {len(COVERED)} classes): every process downloads"
-
-
-PATCHES: tuple[Patch, ...] = (Patch(MODULE, "torchvision-datasets-single-flight", _apply, _describe),)

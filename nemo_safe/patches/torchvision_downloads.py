@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import logging
 import os
@@ -51,7 +50,7 @@ from nemo_safe.archive_members import checked_tar_members, zip_names
 from nemo_safe.atomic_files import merge_tree, seal, sibling_temp, unlink_if_exists
 from nemo_safe.patches import torchvision_upstream
 from nemo_safe.patches.upstream_code import run_in
-from nemo_safe.patching import Patch, Replacements
+from nemo_safe.patching import Replacements, SourceGate
 from nemo_safe.single_flight import check_still_leading
 
 log = logging.getLogger(__name__)
@@ -73,18 +72,15 @@ _ORIGINAL_DECOMPRESS: list[Callable[..., Any]] = []
 _extracted: dict[str, list[str]] = {}
 
 
-def source_digest(module: ModuleType) -> str:
-    h = hashlib.sha256()
-    for name in CHECKED:
-        h.update(inspect.getsource(getattr(module, name)).encode())
-    return h.hexdigest()
-
-
-def recognise(module: ModuleType) -> str | None:
-    try:
-        return KNOWN_UTILS.get(source_digest(module))
-    except (AttributeError, OSError, TypeError):
-        return None
+GATE = SourceGate(
+    MODULE,
+    lambda module: [getattr(module, name) for name in CHECKED],
+    KNOWN_UTILS,
+    library="torchvision",
+    unpatched="downloads stay non-atomic",
+    consequence="its downloads stay as upstream has them (not atomic)",
+)
+source_digest, recognise = GATE.digest, GATE.recognise
 
 
 @contextlib.contextmanager
@@ -218,14 +214,10 @@ def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
     return download_url
 
 
-def _apply_utils(utils: ModuleType) -> Replacements | None:
+def apply_utils(utils: ModuleType) -> Replacements | None:
     known = recognise(utils)
     if known is None:
-        log.warning(
-            "nemo_safe: torchvision.datasets.utils is a version nemo_safe was not verified against; its downloads "
-            "are left unchanged (not atomic). Known: %s",
-            ", ".join(KNOWN_UTILS.values()),
-        )
+        GATE.warn_unknown(utils)
         return None
     _ORIGINAL_DECOMPRESS[:] = [utils._decompress]
     changes = Replacements(f"atomic downloads and extraction ({known})")
@@ -255,7 +247,7 @@ def _ours(attr: str, value: object) -> bool:
     return getattr(value, "__nemo_safe__", False) is True and getattr(value, "__name__", None) == attr
 
 
-def _apply_bindings(package: ModuleType) -> Replacements | None:
+def apply_bindings(package: ModuleType) -> Replacements | None:
     """Rebind ``download_url`` and ``_decompress`` in every dataset module that imported them
     by name (``from .utils import download_url``; pcam imports ``_decompress``)."""
     utils = sys.modules.get(MODULE)
@@ -286,21 +278,10 @@ def _apply_bindings(package: ModuleType) -> Replacements | None:
     return changes
 
 
-def _describe(module: ModuleType) -> str:
-    """The unpatched module (see :class:`~nemo_safe.patching.Patch`): its sources are fingerprinted."""
-    known = recognise(module)
-    if known:
-        return f"recognised as {known}: downloads stay non-atomic"
-    return "unknown torchvision version: downloads stay non-atomic"
+describe_utils = GATE.describe
 
 
-def _describe_bindings(package: ModuleType) -> str:
+def describe_bindings(package: ModuleType) -> str:
     if not getattr(getattr(sys.modules.get(MODULE), "download_url", None), "__nemo_safe__", False):
         return "torchvision-atomic-downloads is not in place: dataset modules call upstream's download_url"
     return "not applied: dataset modules keep the download_url and _decompress they imported"
-
-
-PATCHES = (
-    Patch(module=MODULE, name="torchvision-atomic-downloads", apply=_apply_utils, describe=_describe),
-    Patch(module=PACKAGE, name="torchvision-download-url-bindings", apply=_apply_bindings, describe=_describe_bindings),
-)

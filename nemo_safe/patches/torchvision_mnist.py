@@ -20,8 +20,6 @@ and whether any rank is known at all does not matter for correctness.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
 import logging
 import os
 import sys
@@ -34,7 +32,7 @@ from nemo_safe import cluster_identity
 from nemo_safe.errors import LeaderDeposed, NemoSafeError
 from nemo_safe.patches import torchvision_mnist_upstream
 from nemo_safe.patches.upstream_code import run_in
-from nemo_safe.patching import Patch, Replacements
+from nemo_safe.patching import Replacements, SourceGate
 from nemo_safe.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -50,24 +48,22 @@ KNOWN_MNIST = {
     "9246d36e12ff12a6e2b2cc754fd713987e934fe95a9a3d0b57fb9cbb4afb9d0c": "torchvision 0.29.1",
 }
 
-_warned: set[str] = set()
 #: ``.dataset``: the dataset whose ``download()`` runs in this thread (what :func:`download_lock` waits for).
 _downloading = threading.local()
 
 
-def source_digest(module: ModuleType) -> str:
-    h = hashlib.sha256()
-    for cls in CLASSES:
-        for method in METHODS:
-            h.update(inspect.getsource(getattr(module, cls).__dict__[method]).encode())
-    return h.hexdigest()
+#: Raw files already reported as incomplete (one warning per file and process).
+_warned: set[str] = set()
 
-
-def recognise(module: ModuleType) -> str | None:
-    try:
-        return KNOWN_MNIST.get(source_digest(module))
-    except (AttributeError, KeyError, OSError, TypeError):
-        return None
+GATE = SourceGate(
+    MODULE,
+    lambda module: [getattr(module, cls).__dict__[method] for cls in CLASSES for method in METHODS],
+    KNOWN_MNIST,
+    library="torchvision",
+    unpatched="every process downloads, raw files are not validated",
+    consequence="MNIST-family downloads stay as upstream has them (every process downloads)",
+)
+source_digest, recognise = GATE.digest, GATE.recognise
 
 
 def raw_files(dataset: Any) -> list[str]:
@@ -159,14 +155,10 @@ def single_flight_download(original: Callable[[Any], None], once: Callable[..., 
     return download
 
 
-def _apply(module: ModuleType) -> Replacements | None:
+def apply(module: ModuleType) -> Replacements | None:
     known = recognise(module)
     if known is None:
-        log.warning(
-            "nemo_safe: torchvision.datasets.mnist is a version nemo_safe was not verified against; MNIST "
-            "downloads are left unchanged (every process downloads). Known: %s",
-            ", ".join(KNOWN_MNIST.values()),
-        )
+        GATE.warn_unknown(module)
         return None
     changes = Replacements(f"one download per dataset folder, raw files validated ({known})")
     shared = shared_functions(module)
@@ -179,11 +171,4 @@ def _apply(module: ModuleType) -> Replacements | None:
     return changes
 
 
-def _describe(module: ModuleType) -> str:
-    """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
-    known = recognise(module)
-    version = f"recognised as {known}" if known else "unknown torchvision version"
-    return f"{version}: every process downloads, raw files are not validated"
-
-
-PATCH = Patch(module=MODULE, name="torchvision-mnist-single-flight", apply=_apply, describe=_describe)
+describe = GATE.describe
