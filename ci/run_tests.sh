@@ -51,8 +51,11 @@ status=0
     -k "not demo_command and not local_launcher and not killed and not read_only and not disagree \
         and not srun_two_nodes and not node_local and not restart and not train_then_resume" "$@" \
     || status=$?
-# 5 (no test collected) only where extra arguments deselected every NeMo test.
-[ "$status" = 0 ] || { [ "$status" = 5 ] && [ $# -gt 0 ]; }
+# 5 (no test collected) only where extra arguments deselected every NeMo test. (An explicit exit: set -e does
+# not stop at a failing `a || { b && c; }`.)
+if [ "$status" != 0 ] && ! { [ "$status" = 5 ] && [ $# -gt 0 ]; }; then
+    exit "$status"
+fi
 
 step "upstream patch series on the pristine releases, nemo_safe not imported"
 .venv/bin/python ci/verify_patches.py

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nemo_safe import patches, patching, platform_support
 from nemo_safe.errors import (
@@ -51,11 +51,19 @@ _ON_FIRST_USE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _ON_FIRST_USE:
+def __getattr__(name: str) -> object:
+    if name in _ON_FIRST_USE:
+        module, attribute = _ON_FIRST_USE[name]
+        value = getattr(importlib.import_module(module), attribute)
+    elif not name.startswith("_"):  # a submodule, as `nemo_safe.barrier` was before imports became lazy
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attribute = _ON_FIRST_USE[name]
-    value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value
     return value
 

@@ -244,7 +244,7 @@ def run_spawn(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m nemo_safe.download_race spawn``: ``nprocs`` ranks by torch.multiprocessing.spawn.
     ``then``: further races in the same processes, each a dict of ``root``, ``results``, ``mirror``,
-    ``dataset`` and ``attrs``/``kwargs`` as JSON text (see ``--then``)."""
+    ``dataset``, ``attrs`` and ``kwargs`` (see ``--then``)."""
     from nemo_safe.cluster_identity import without_launchers
 
     results.mkdir(parents=True, exist_ok=True)
@@ -262,9 +262,11 @@ def run_spawn(
     if then:
         if not init:
             raise ValueError("then= needs init=True: the races are lined up by the process group's barrier")
-        for job in then:
+        jobs = [{k: json.dumps(v) if k in ("attrs", "kwargs") and not isinstance(v, str) else v
+                 for k, v in job.items()} for job in then]  # fmt: skip
+        for job in jobs:
             Path(job["results"]).mkdir(parents=True, exist_ok=True)
-        cmd += ["--then", json.dumps(then)]
+        cmd += ["--then", json.dumps(jobs)]
     if not init:
         cmd.append("--no-init")
     env = {**without_launchers(os.environ), "NEMO_SAFE_DISABLE": "1" if disable else "0"}

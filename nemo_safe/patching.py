@@ -84,10 +84,13 @@ def _load_deferred(module_names: set[str]) -> None:
 
 
 class SourceGate:
-    """The version gate every patch declares: sha256 over the upstream sources of the ``parts`` of
-    the module it changes (unwrapped, so a patched module gives the same) must be a digest in
-    ``known`` (digest -> release); anything else keeps upstream's behaviour, with one warning
-    per process (a job of thousands of ranks logs it once per rank, not per import).
+    """The version gate every patch declares: sha256 over the sources of the ``parts`` of the module
+    it changes must be a digest in ``known`` (digest -> release); anything else keeps upstream's
+    behaviour, with one warning per process (a job of thousands of ranks logs it once per rank, not
+    per import). ``inspect.getsource`` follows ``__wrapped__``: where the patch's wrappers name the
+    upstream function they wrap, a module the patch is in place in gives the same digest (NeMo,
+    torch.hub, the MNIST family); where it puts other functions in place (the atomic downloads), a
+    patched module is not recognised, which only ``nemo-safe doctor``'s text depends on.
 
     ``library`` names the distribution ("NeMo", "torchvision", "torch") in messages; ``unpatched``
     says what upstream does, for ``nemo-safe doctor``; ``consequence`` what staying upstream means.
@@ -114,7 +117,7 @@ class SourceGate:
         import hashlib
         import inspect
 
-        text = "".join(inspect.getsource(inspect.unwrap(part)) for part in self.parts(module))  # type: ignore[arg-type]
+        text = "".join(inspect.getsource(part) for part in self.parts(module))  # type: ignore[arg-type]
         return hashlib.sha256(text.encode()).hexdigest()
 
     def recognise(self, module: ModuleType) -> str | None:
@@ -372,6 +375,10 @@ class _PatchingLoader:
 
     def __getattr__(self, name: str) -> object:  # get_source, is_package, ...
         return getattr(self._loader, name)
+
+
+if "importlib.abc" in sys.modules:  # only where it is loaded anyway: isinstance checks of other tools hold
+    sys.modules["importlib.abc"].Loader.register(_PatchingLoader)
 
 
 class _PostImportFinder:

@@ -489,13 +489,25 @@ class SingleFlight:
         re-checks ``done()`` itself: someone may just have finished); every other process gets False from
         ``__enter__`` only once ``done()`` holds, or raises the leader's failure (:class:`LeaderFailed`). The
         leader's error is recorded for the waiters. A leader taken over while it ran (stalled past the stale
-        limit) raises :class:`LeaderDeposed` from ``__exit__``: call again to wait for the new one."""
+        limit) raises :class:`LeaderDeposed` from ``__exit__``: call again to wait for the new one.
+
+        A hold of a flight this thread already leads (a patch applied over its own wrapper, a download
+        method calling itself) runs the block as part of the outer one instead of waiting for itself."""
+        key = (self.lock_dir, self.name)
+        held: set[tuple[str, str]] = _leading.__dict__.setdefault("held", set())
+        if key in held:
+            yield True
+            return
         generation = self._wait(done)
         if generation is None:
             yield False
             return
-        with self._lead(generation):
-            yield True
+        held.add(key)
+        try:
+            with self._lead(generation):
+                yield True
+        finally:
+            held.discard(key)
 
     def _wait(self, done: Callable[[], bool]) -> int | None:
         """None once ``done()`` holds; the generation this process won the lock of, when it must lead."""

@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,21 @@ def test_leader_working_longer_than_the_timeout_is_waited_for(tmp_path: Path) ->
     results = _run(3, tmp_path, "--work", "8", NEMO_SAFE_BARRIER_TIMEOUT="3")
     assert all(r["status"] == "ok" for r in results), results
     assert sum(r["led"] for r in results) == 1, results
+
+
+def test_a_flight_held_again_by_its_leader_runs_inside_it(tmp_path: Path) -> None:
+    """A patch applied over its own wrapper (a repair after a user wrapped one method) nests the same flight
+    in one thread: the inner hold must run as part of the outer one, not wait for itself until its timeout."""
+    ran: list[str] = []
+    done = lambda: len(ran) == 2  # noqa: E731
+
+    def outer() -> None:
+        ran.append("outer")
+        SingleFlight(tmp_path, "x", timeout=5).run(lambda: ran.append("inner"), done)
+
+    flight = threading.Thread(target=SingleFlight(tmp_path, "x", timeout=5).run, args=(outer, done), daemon=True)
+    flight.start()
+    flight.join(60)  # hang guard: without the fix the inner hold waits for its own, live, leader
+    assert not flight.is_alive(), "the inner hold waited for the outer one"
+    assert ran == ["outer", "inner"]
+    assert not (tmp_path / LOCK_DIRNAME).exists(), "nothing left behind"

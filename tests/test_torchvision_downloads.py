@@ -426,3 +426,41 @@ def test_unpatch_restores_every_torchvision_function() -> None:
         [sys.executable, "-c", UNPATCH_PROGRAM], env=clean_env(), capture_output=True, text=True, timeout=120
     )
     assert out.stdout.split() == ["11", "11", "True"], out.stdout + out.stderr[-2000:]
+
+
+REPAIR_OVER_OWN_WRAPPERS = """
+import functools, json, socket, sys, time
+import nemo_safe, torchvision.datasets as D
+original = D.QMNIST._check_exists
+
+@functools.wraps(original)
+def users_check(self):  # a user's wrapper over nemo_safe's: the patch is no longer intact
+    return original(self)
+
+D.QMNIST._check_exists = users_check
+nemo_safe.patch()  # repairs it: applies again over MNIST's own, still patched, download
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # nothing listens there any more
+D.MNIST.mirrors = [f"http://127.0.0.1:{port}/"]
+started = time.monotonic()
+try:
+    D.MNIST(sys.argv[1], download=True)
+    print(json.dumps({"type": None}))
+except Exception as exc:
+    print(json.dumps({"type": type(exc).__name__, "seconds": time.monotonic() - started}))
+"""
+
+
+@pytest.mark.parametrize("disable", ["0", "1"], ids=["nemo_safe", "upstream"])
+def test_repair_over_its_own_wrappers_fails_as_upstream_instead_of_hanging(tmp_path: Path, disable: str) -> None:
+    """Upstream fails at once when no mirror answers; so must a download wrapped twice by a repair
+    (before the fix it waited for itself, its own heartbeat keeping the timeout from firing)."""
+    out = subprocess.run(
+        [sys.executable, "-c", REPAIR_OVER_OWN_WRAPPERS, str(tmp_path / "root")],
+        env=clean_env(NEMO_SAFE_DISABLE=disable, NEMO_SAFE_BARRIER_TIMEOUT="6"),
+        capture_output=True, text=True, timeout=HANG_GUARD,
+    )  # fmt: skip
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["type"] == "RuntimeError", (res, out.stderr[-3000:])
+    assert res["seconds"] < 6, "it failed at its timeout, not at once: it waited for itself"
