@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +40,37 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-sys.path.insert(0, str(TESTS))  # the test data generators (dataset_files, hub_worker), not part of the library
+sys.path.insert(0, str(TESTS))  # the test data generators and harnesses (dataset_files, hub_worker, download_harness)
 
-from nemo_safe import download_race  # noqa: E402
 from nemo_safe.cluster_identity import without_launchers  # noqa: E402
-from nemo_safe.loopback_mirror import LoopbackMirror  # noqa: E402
+from nemo_safe_tools import download_race  # noqa: E402
+from nemo_safe_tools.loopback_mirror import FileStats, LoopbackMirror  # noqa: E402
+
+import download_harness  # noqa: E402
 
 MNIST_DIR = HERE.parents[1] / "shared" / "data" / "mnist"
+
+
+class SharedLinkMirror(LoopbackMirror):
+    """The loopback mirror behind one link of ``link_rate`` bytes per second shared by all responses
+    (a site's internet uplink)."""
+
+    def __init__(self, files: dict[str, bytes], link_rate: float) -> None:
+        self.link_rate = link_rate
+        self._link_free_at = 0.0
+        super().__init__(files)
+
+    def _pace(self, nbytes: int) -> None:
+        """Wait for this chunk's turn on the shared link."""
+        with self._lock:
+            start = max(time.monotonic(), self._link_free_at)
+            self._link_free_at = start + nbytes / self.link_rate
+            until = self._link_free_at
+        time.sleep(max(0.0, until - time.monotonic()))
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = {name: FileStats() for name in self.files}
 
 
 @dataclass
@@ -79,7 +104,7 @@ def cifar10() -> Workload:
     spec = make(images_per_batch=1000)
 
     def spawn(ranks: int, url: str, tmp: Path, disable: bool, res: str) -> dict[int, dict[str, Any]]:
-        out = download_race.run_spawn(
+        out = download_harness.run_spawn(
             ranks, tmp / "root", tmp / res, url, disable=disable, dataset="CIFAR10", attrs=spec.attrs
         )
         return _results(download_race.read_results(tmp / res), ranks, out)
@@ -127,7 +152,7 @@ def measure(
 ) -> tuple[float, float, list[str]]:
     """(slowest rank's seconds, bytes served / file set, errors of failed ranks) of one run.
     ``on_disk``: one upstream rank downloads first (not measured), so only loading is timed."""
-    with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp, LoopbackMirror(work.files, link_rate=link) as m:
+    with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp, SharedLinkMirror(work.files, link) as m:
         if on_disk:
             work.spawn(1, m.url, Path(tmp), True, "prepare")
             m.reset_stats()

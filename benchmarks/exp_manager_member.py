@@ -1,8 +1,17 @@
 """One rank of ``exp_manager_time.py``: exp_manager upstream, then with nemo_safe, timed.
 
 All ranks line up at a start gate before each variant (after NeMo's slow
-import), so every rank enters ``exp_manager`` at the same instant. Appends one
-JSON line per variant to ``<side>/times.<rank>.jsonl``.
+import) and then enter ``exp_manager`` at one common wall-clock instant: every
+rank writes its arrival time, and once all N arrivals are there every rank
+sleeps until the same instant (latest arrival + ``LEAD`` s), computed from the
+same N files. (The earlier gate released each rank at its own next 50 ms poll
+of the folder, a start skew of up to 50 ms that ended up in the "other ranks"
+column; it is still passed first, to measure that skew.)
+
+Timestamps (``time.time()``, one clock on this machine) are taken on the
+benchmark side only: around ``exp_manager``, around ``Barrier.open``,
+``release`` and ``wait``, and at every read and publication of ``state`` by
+the channel; the library's code is not changed. Appends one JSON line per variant to ``<side>/times.<rank>.jsonl``.
 """
 
 from __future__ import annotations
@@ -13,9 +22,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import nemo_safe
-from nemo_safe import demo
+from nemo_safe.barrier import Barrier
+from nemo_safe.barrier_channels import FileChannel, StoreChannel
+from nemo_safe_tools import demo
 
 CONFIGS = {
     # NeMo's defaults (a dated version picked by rank 0), as in most recipes.
@@ -27,6 +39,66 @@ CONFIGS = {
         "resume_ignore_no_checkpoint": True,
     },
 }
+#: Seconds between the last rank's arrival at the gate and the common start instant.
+LEAD = 0.5
+
+#: Barrier events of the current variant: first start / last end of each wrapped call, every poll.
+TRACE: dict[str, Any] = {}
+
+
+def instrument() -> None:
+    """Wrap Barrier's methods with timestamps (this process only; the library's code is unchanged)."""
+
+    def timed(name: str) -> None:
+        original = getattr(Barrier, name)
+
+        def wrapped(self: Barrier, *a: Any, **k: Any) -> Any:
+            TRACE.setdefault(f"{name}.start", time.time())
+            try:
+                return original(self, *a, **k)
+            finally:
+                TRACE[f"{name}.end"] = time.time()
+
+        setattr(Barrier, name, wrapped)
+
+    for name in ("open", "release", "wait"):
+        timed(name)
+    # Reads and writes of ``state`` at the channel (the API both channels share), so that this
+    # does not depend on how the barrier splits its work between classes.
+    for channel in (FileChannel, StoreChannel):
+        read, publish = channel.read_state, channel.publish_state
+
+        def read_state(self: Any, _read: Any = read) -> Any:
+            before = time.time()
+            state = _read(self)
+            phase = state.get("phase") if isinstance(state, dict) else None
+            TRACE.setdefault("polls", []).append([before, time.time(), phase])
+            return state
+
+        def publish_state(self: Any, body: dict[str, Any], _publish: Any = publish) -> None:
+            _publish(self, body)
+            TRACE.setdefault("published", []).append([body.get("phase"), time.time()])
+
+        channel.read_state = read_state  # type: ignore[method-assign]
+        channel.publish_state = publish_state  # type: ignore[method-assign]
+
+
+def common_start(side: Path, rank: int, world: int, name: str, timeout: float = 900) -> float:
+    """Wait until all ``world`` ranks arrived, then until one instant every rank computes alike."""
+    tmp = side / f".{name}.{rank}"
+    tmp.write_text(repr(time.time()))
+    os.replace(tmp, side / f"{name}.{rank}")
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [p for p in side.iterdir() if p.name.startswith(name + ".")]
+        if len(found) >= world:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"member: not all {world} ranks reached {name} within {timeout:.0f} s")
+        time.sleep(0.01)
+    start = max(float(p.read_text()) for p in found) + LEAD
+    time.sleep(max(0.0, start - time.time()))
+    return start
 
 
 def main() -> int:
@@ -40,6 +112,7 @@ def main() -> int:
     import lightning.pytorch as pl
     from nemo.utils.exp_manager import exp_manager
 
+    instrument()
     ident = nemo_safe.detect_identity()
     side = Path(args.side)
     for variant in ("upstream", "nemo_safe"):
@@ -50,12 +123,28 @@ def main() -> int:
         os.environ.pop("NEMO_EXPM_VERSION", None)
         trainer = pl.Trainer(**demo.cpu_trainer_kwargs(args.devices, args.nodes))
         cfg = {**CONFIGS[args.config](Path(args.base) / variant), "create_checkpoint_callback": False}
-        demo.start_gate(side, ident.rank, ident.world_size, f"go.{variant}")
-        started = time.monotonic()
+        demo.start_gate(side, ident.rank, ident.world_size, f"old.{variant}")
+        old_gate = time.time()  # when the earlier (50 ms poll) gate let this rank go
+        planned = common_start(side, ident.rank, ident.world_size, f"go.{variant}")
+        TRACE.clear()
+        enter = time.time()
+        started, cpu = time.monotonic(), time.process_time()
         exp_manager(trainer, cfg)
-        seconds = time.monotonic() - started
+        seconds, cpu = time.monotonic() - started, time.process_time() - cpu
+        end = time.time()
+        record = {
+            "rank": ident.rank,
+            "variant": variant,
+            "seconds": seconds,
+            "cpu": cpu,
+            "old_gate": old_gate,
+            "planned": planned,
+            "enter": enter,
+            "end": end,
+            "trace": TRACE,
+        }
         with open(side / f"times.{ident.rank}.jsonl", "a") as out:
-            out.write(json.dumps({"rank": ident.rank, "variant": variant, "seconds": seconds}) + "\n")
+            out.write(json.dumps(record) + "\n")
     demo.start_gate(side, ident.rank, ident.world_size, "end")
     return 0
 

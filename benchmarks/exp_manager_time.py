@@ -1,65 +1,80 @@
 """Seconds each rank spends in NeMo's exp_manager: upstream vs nemo_safe, side by side in one run.
 
 Two configurations (NeMo's defaults on a fresh start; a resume with 2,000 old
-files in log_dir) under two launchers (a real ``torchrun --standalone
---nproc-per-node 4``, which meets in the elastic agent's store, and a real
-``srun -N2 --ntasks-per-node=4``, which meets in a shared directory). Every
-rank enters exp_manager at the same instant; rank 0 is not delayed (the demo
-and the tests show the late-rank-0 race): this is the cost every healthy
-start pays. Reported: rank 0's own seconds and the non-zero ranks' (median and
-slowest), absolute and minus rank 0's of the same run.
+files in log_dir, ``--old-files``) under two launchers (a real ``torchrun
+--standalone --nproc-per-node 4``, which meets in the elastic agent's store,
+and a real ``srun -N2 --ntasks-per-node=4``, which meets in a shared
+directory). Every rank enters exp_manager at one common wall-clock instant
+(see ``exp_manager_member.py``); rank 0 is not delayed (the demo and the tests
+show the late-rank-0 race): this is the cost every healthy start pays.
 
-Run: .venv/bin/python benchmarks/exp_manager_time.py [--rounds 2] [--no-slurm]
+Table 1, per case and variant: rank 0's own seconds, the non-zero ranks'
+seconds (median, max), their excess over rank 0's of the same launch
+(relative: rank r's seconds minus rank 0's), and how much later than rank 0
+they left exp_manager (end minus rank 0's end); upstream / nemo_safe ratios.
+Table 2 (nemo_safe): where the time goes, from timestamps the member takes
+around the barrier calls; and the start spread of the earlier 50 ms-poll gate
+against the common instant.
+
+Run: .venv/bin/python benchmarks/exp_manager_time.py [--rounds 3] [--no-slurm] [--old-files 2000] [--per-node 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from nemo_safe import demo
 from nemo_safe.cluster_identity import without_launchers
+from nemo_safe_tools import demo
 
 MEMBER = str(Path(__file__).resolve().parent / "exp_manager_member.py")
 OLD_FILES = 2000
+VARIANTS = ("upstream", "nemo_safe")
+#: NeMo's default seconds_to_sleep: upstream's non-zero ranks sleep this long after their own work.
+UPSTREAM_SLEEP = 5.0
+
+Record = dict[str, Any]
 
 
 def clean_env() -> dict[str, str]:
-    import os
-
     return {**without_launchers(os.environ), "PYTHONUNBUFFERED": "1"}
 
 
-def launch(launcher: str, config: str, tmp: Path) -> dict[str, list[float]]:
+def launch(launcher: str, config: str, tmp: Path, old_files: int, per_node: int = 4) -> dict[str, list[Record]]:
+    """One launch: every rank's record per variant, by rank."""
     base, side = tmp / "base", tmp / "side"
     side.mkdir(parents=True)
     if config == "resume":
-        for variant in ("upstream", "nemo_safe"):
-            demo.make_old_log_dir(base / variant / "log", OLD_FILES)
+        for variant in VARIANTS:
+            demo.make_old_log_dir(base / variant / "log", old_files)
     args = [MEMBER, "--base", str(base), "--side", str(side), "--config", config]
     env = clean_env()
     if launcher == "torchrun":
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        cmd = [torchrun, "--standalone", "--nproc-per-node", "4", *args, "--devices", "4", "--nodes", "1"]
+        cmd = [torchrun, "--standalone", "--nproc-per-node", str(per_node), *args, "--devices", str(per_node)]
+        cmd += ["--nodes", "1"]
     else:
-        cmd = ["srun", "-N2", "--ntasks-per-node=4", "-J", "bench-expm", sys.executable, *args, "--devices", "4"]
+        cmd = ["srun", "-N2", f"--ntasks-per-node={per_node}", "-J", "bench-expm", sys.executable, *args]
+        cmd += ["--devices", str(per_node)]
         cmd += ["--nodes", "2"]
         env["MASTER_ADDR"] = "127.0.0.1"
     out = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"{launcher} {config} failed:\n{out.stderr[-3000:]}")
-    times: dict[str, dict[int, float]] = {"upstream": {}, "nemo_safe": {}}
+    records: dict[str, dict[int, Record]] = {v: {} for v in VARIANTS}
     for path in side.glob("times.*.jsonl"):
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            times[r["variant"]][r["rank"]] = r["seconds"]
-    return {v: [t[r] for r in sorted(t)] for v, t in times.items()}
+            records[r["variant"]][r["rank"]] = r
+    return {v: [t[r] for r in sorted(t)] for v, t in records.items()}
 
 
 def slurm_answers() -> bool:
@@ -69,40 +84,153 @@ def slurm_answers() -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
+def load() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def breakdown(ranks: list[Record]) -> dict[str, list[float]]:
+    """Milliseconds of one nemo_safe launch, split at the barrier's calls (see the member)."""
+    r0, t0 = ranks[0], ranks[0]["trace"]
+    ms = 1000.0
+    out: dict[str, list[float]] = {k: [] for k in PARTS}
+    done_published = next((t for phase, t in t0.get("published", []) if phase == "done"), None)
+    collect_published = next((t for phase, t in t0.get("published", []) if phase == "collect"), None)
+    if "open.start" in t0 and "release.start" in t0:
+        out["r0: enter -> open()"].append((t0["open.start"] - r0["enter"]) * ms)
+        out["r0: open() (mkdir, leader claim, state=collect)"].append((t0["open.end"] - t0["open.start"]) * ms)
+        out["r0: open() -> release(): check_resume's work"].append((t0["release.start"] - t0["open.end"]) * ms)
+        out["r0: release() (listdir, state=done)"].append((t0["release.end"] - t0["release.start"]) * ms)
+        out["r0: release() -> leave: NeMo's rank-0 work (git, log files)"].append((r0["end"] - t0["release.end"]) * ms)
+    out["r0: CPU time in exp_manager"].append(r0["cpu"] * ms)
+    for r in ranks[1:]:
+        t = r["trace"]
+        if "wait.start" not in t:
+            continue
+        polls = t.get("polls", [])
+        out["rN: CPU time in exp_manager"].append(r["cpu"] * ms)
+        out["rN: enter -> wait()"].append((t["wait.start"] - r["enter"]) * ms)
+        if collect_published is not None:
+            out["rN: wait() start - r0's state=collect"].append((t["wait.start"] - collect_published) * ms)
+        seen = next((p for p in polls if p[2] == "done"), None)
+        if seen is not None and done_published is not None:
+            before = [p for p in polls if p[1] <= done_published]
+            out["rN: r0's state=done -> first read seeing it"].append((seen[1] - done_published) * ms)
+            gap = (seen[0] - before[-1][0]) * ms if before else float("nan")
+            out["rN: poll gap around the release"].append(gap)
+        out["rN: polls per wait"].append(float(len(polls)))
+        out["rN: wait() -> leave: NeMo's work after the barrier"].append((r["end"] - t["wait.end"]) * ms)
+        if done_published is not None:
+            out["rN: leave - r0's state=done"].append((r["end"] - done_published) * ms)
+    return out
+
+
+PARTS = (
+    "r0: enter -> open()",
+    "r0: open() (mkdir, leader claim, state=collect)",
+    "r0: open() -> release(): check_resume's work",
+    "r0: release() (listdir, state=done)",
+    "r0: release() -> leave: NeMo's rank-0 work (git, log files)",
+    "r0: CPU time in exp_manager",
+    "rN: CPU time in exp_manager",
+    "rN: enter -> wait()",
+    "rN: wait() start - r0's state=collect",
+    "rN: polls per wait",
+    "rN: r0's state=done -> first read seeing it",
+    "rN: poll gap around the release",
+    "rN: wait() -> leave: NeMo's work after the barrier",
+    "rN: leave - r0's state=done",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-slurm", action="store_true")
+    p.add_argument("--no-torchrun", action="store_true")
+    p.add_argument("--old-files", type=int, default=OLD_FILES)
+    p.add_argument("--per-node", type=int, default=4, help="ranks per node (1 on 2 cores: no CPU contention)")
+    p.add_argument("--configs", nargs="+", default=["defaults", "resume"], choices=["defaults", "resume"])
     args = p.parse_args(argv)
-    launchers = ["torchrun"] + ([] if args.no_slurm or not slurm_answers() else ["srun"])
-    rows = []
+    launchers = ([] if args.no_torchrun else ["torchrun"]) + ([] if args.no_slurm or not slurm_answers() else ["srun"])
+    world = {
+        "torchrun": f"torchrun --standalone --nproc-per-node {args.per_node}",
+        "srun": f"srun -N2 --ntasks-per-node={args.per_node}",
+    }
+    loads = [load()]
+    rows, parts_rows, skew_rows = [], [], []
     for launcher in launchers:
-        for config in ("defaults", "resume"):
-            rank0: dict[str, list[float]] = {"upstream": [], "nemo_safe": []}
-            others: dict[str, list[float]] = {"upstream": [], "nemo_safe": []}
-            relative: list[float] = []
+        for config in args.configs:
+            r0: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            others: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            excess: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            later: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            parts: dict[str, list[float]] = {k: [] for k in PARTS}
+            old_spread: list[float] = []
+            new_spread: list[float] = []
             for _ in range(args.rounds):
                 with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp:
-                    times = launch(launcher, config, Path(tmp))
-                for variant, secs in times.items():
-                    rank0[variant].append(secs[0])
-                    others[variant].extend(secs[1:])
-                relative.extend(s - times["nemo_safe"][0] for s in times["nemo_safe"][1:])
-            up, ours = statistics.median(others["upstream"]), statistics.median(others["nemo_safe"])
-            rows.append(
-                f"| {launcher} | {config} | {statistics.median(rank0['upstream']):.2f} | {up:.2f} "
-                f"(max {max(others['upstream']):.2f}) | {statistics.median(rank0['nemo_safe']):.3f} | {ours:.3f} "
-                f"(max {max(others['nemo_safe']):.3f}) | {statistics.median(relative):+.3f} "
-                f"(max {max(relative):+.3f}) | {up / ours:.0f}x less |"
+                    runs = launch(launcher, config, Path(tmp), args.old_files, args.per_node)
+                loads.append(load())
+                for variant, ranks in runs.items():
+                    zero = ranks[0]
+                    r0[variant].append(zero["seconds"])
+                    others[variant].extend(r["seconds"] for r in ranks[1:])
+                    excess[variant].extend(r["seconds"] - zero["seconds"] for r in ranks[1:])
+                    later[variant].extend(r["end"] - zero["end"] for r in ranks[1:])
+                    old_spread.append(max(r["old_gate"] for r in ranks) - min(r["old_gate"] for r in ranks))
+                    new_spread.append(max(r["enter"] for r in ranks) - min(r["enter"] for r in ranks))
+                for k, v in breakdown(runs["nemo_safe"]).items():
+                    parts[k].extend(v)
+            cells = [launcher, config if config == "defaults" else f"resume, {args.old_files:,} old files"]
+            for variant in VARIANTS:
+                cells += [
+                    f"{med(r0[variant]):.3f}",
+                    f"{med(others[variant]):.3f} (max {max(others[variant]):.3f})",
+                    f"{med(excess[variant]):+.3f} (max {max(excess[variant]):+.3f})",
+                    f"{med(later[variant]):+.3f} (max {max(later[variant]):+.3f})",
+                ]
+            cells.append(f"{med(others['upstream']) / med(others['nemo_safe']):.0f}x")
+            work = med(others["upstream"]) - UPSTREAM_SLEEP
+            cells.append(f"{work:.3f} ({med(others['nemo_safe']) / work:.2f}x)")
+            cells.append(f"{med(r0['nemo_safe']) / med(r0['upstream']):.2f}x")
+            rows.append("| " + " | ".join(cells) + " |")
+            parts_rows.append(
+                (f"{launcher}, {cells[1]}", {k: (med(v), max(v) if v else float("nan")) for k, v in parts.items()})
             )
-    world = {"torchrun": "torchrun --standalone --nproc-per-node 4", "srun": "srun -N2 --ntasks-per-node=4"}
-    print(f"exp_manager seconds, median over {args.rounds} runs ({'; '.join(world[x] for x in launchers)})")
+            skew_rows.append(
+                f"| {launcher} | {cells[1]} | {1000 * med(old_spread):.1f} (max {1000 * max(old_spread):.1f}) "
+                f"| {1000 * med(new_spread):.1f} (max {1000 * max(new_spread):.1f}) |"
+            )
+    print(f"exp_manager seconds, medians over {args.rounds} launches ({'; '.join(world[x] for x in launchers)});")
+    print(f"{os.cpu_count()} cores; {loads[0]} before, after each launch: {', '.join(x[5:] for x in loads[1:])}")
+    print()
     print(
-        "| launcher | config | upstream rank 0 | upstream other ranks | nemo_safe rank 0 | nemo_safe other ranks "
-        "| nemo_safe other ranks minus rank 0 | other ranks: ratio |"
+        "| launcher | config | upstream rank 0 | upstream other ranks | upstream others minus rank 0 "
+        "| upstream others' end after rank 0's | nemo_safe rank 0 | nemo_safe other ranks "
+        "| nemo_safe others minus rank 0 | nemo_safe others' end after rank 0's "
+        "| other ranks: upstream / nemo_safe | upstream other ranks minus their 5 s sleep (nemo_safe others / that) "
+        "| rank 0: nemo_safe / upstream |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    print("Where nemo_safe's time goes, ms (median, max over ranks and launches; r0 = rank 0, rN = the others)")
+    print()
+    print("| step | " + " | ".join(name for name, _ in parts_rows) + " |")
+    print("|---|" + "---|" * len(parts_rows))
+    for k in PARTS:
+        vals = " | ".join(f"{v[k][0]:.1f} (max {v[k][1]:.1f})" for _, v in parts_rows)
+        print(f"| {k} | {vals} |")
+    print()
+    print("Start spread (last rank in - first rank in), ms")
+    print()
+    print("| launcher | config | earlier gate (each rank's own 50 ms poll) | common instant (this member) |")
+    print("|---|---|---|---|")
+    print("\n".join(skew_rows))
     return 0
 
 

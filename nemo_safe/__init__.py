@@ -18,7 +18,6 @@ Public API::
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -30,9 +29,11 @@ from nemo_safe.errors import (
     NemoSafeError,
     RankZeroAbsent,
     RankZeroFailed,
+    RemoteFailure,
     UnsafeBarrierPath,
     WaitTimeout,
 )
+from nemo_safe.lazy_attributes import module_getattr
 
 if TYPE_CHECKING:
     from nemo_safe.barrier import Barrier, rank_zero_first
@@ -51,21 +52,7 @@ _ON_FIRST_USE = {
 }
 
 
-def __getattr__(name: str) -> object:
-    if name in _ON_FIRST_USE:
-        module, attribute = _ON_FIRST_USE[name]
-        value = getattr(importlib.import_module(module), attribute)
-    elif not name.startswith("_"):  # a submodule, as `nemo_safe.barrier` was before imports became lazy
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = module_getattr(__name__, globals(), _ON_FIRST_USE)
 
 
 def __dir__() -> list[str]:
@@ -83,6 +70,7 @@ __all__ = [
     "NemoSafeError",
     "RankZeroAbsent",
     "RankZeroFailed",
+    "RemoteFailure",
     "SingleFlight",
     "UnsafeBarrierPath",
     "WaitTimeout",

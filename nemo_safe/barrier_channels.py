@@ -32,8 +32,9 @@ from typing import Any
 
 from nemo_safe.atomic_files import listdir_if_exists, publish, read_if_exists, unlink_if_exists
 from nemo_safe.errors import NemoSafeError, UnsafeBarrierPath
+from nemo_safe.records import HIDDEN_DIRNAME
 
-BARRIER_DIRNAME = ".nemo_safe"
+BARRIER_DIRNAME = HIDDEN_DIRNAME
 STATE_NAME = "state"
 LEADER_NAME = "leader"
 ARRIVE_PREFIX = "arrive."

@@ -54,6 +54,10 @@ class ClusterIdentity:
     def is_multi_process(self) -> bool:
         return self.world_size > 1
 
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """:meth:`Launcher.validate_settings` of the launcher that started this process."""
+        LAUNCHERS_BY_NAME[self.launcher].validate_settings(self, num_devices, num_nodes)
+
 
 def sanitize_component(raw: str, max_len: int = _MAX_KEY_LEN) -> str:
     """Turn launcher-provided text into one safe path component.
@@ -91,9 +95,12 @@ def _key(*parts: object) -> str:
 
 
 class Launcher:
-    """Base class: ``detect()`` says whether this launcher started us, ``identity()`` reads it."""
+    """Base class: ``detect()`` says whether this launcher started us, ``identity()`` reads it,
+    ``validate_settings()`` checks a trainer's process count against it."""
 
     name = "none"
+    #: Where this launcher's process count is set, for the message of :meth:`validate_settings`.
+    count_hint = "the launcher's task count"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -115,6 +122,18 @@ class Launcher:
             )
         return ClusterIdentity(cls.name, rank, local_rank, node_rank, world_size, key)
 
+    @classmethod
+    def validate_settings(cls, identity: ClusterIdentity, num_devices: int, num_nodes: int) -> None:
+        """Raise :class:`ConfigurationError` unless a trainer of ``num_nodes`` x ``num_devices`` processes
+        is what this launcher started: ranks waiting for a world size the launcher did not start never meet."""
+        expected = int(num_nodes) * int(num_devices)
+        if expected != identity.world_size:
+            raise ConfigurationError(
+                f"the trainer expects num_nodes={num_nodes} x devices={num_devices} = {expected} processes but "
+                f"{cls.name} started {identity.world_size} (this is rank {identity.rank}). Make them match: set "
+                f"devices to the tasks per node and num_nodes to the nodes, or change {cls.count_hint}"
+            )
+
 
 class TorchElastic(Launcher):
     """torchrun / torch.distributed.elastic. Wins over SLURM: under srun+torchrun,
@@ -125,6 +144,7 @@ class TorchElastic(Launcher):
     """
 
     name = "torchrun"
+    count_hint = "torchrun --nnodes x --nproc-per-node (WORLD_SIZE)"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -148,6 +168,7 @@ class Slurm(Launcher):
     """srun tasks. An allocation named ``bash``/``interactive`` is a shell, not a launcher."""
 
     name = "slurm"
+    count_hint = "srun --nodes x --ntasks-per-node (SLURM_STEP_NUM_TASKS / SLURM_NTASKS)"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -181,6 +202,7 @@ class OpenMPI(Launcher):
     """mpirun from Open MPI."""
 
     name = "openmpi"
+    count_hint = "mpirun -np (OMPI_COMM_WORLD_SIZE)"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -207,6 +229,7 @@ class PMIx(Launcher):
     """A PMIx launcher (prrte, some srun --mpi=pmix set-ups without SLURM task variables)."""
 
     name = "pmix"
+    count_hint = "the PMIx launcher's process count (PMIX_SIZE)"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -233,6 +256,7 @@ class NoLauncher(Launcher):
     """A single process (or Lightning's own local launcher before ``fit()``)."""
 
     name = "none"
+    count_hint = "the launch (one process here: start the others with srun or torchrun)"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
@@ -252,6 +276,7 @@ class NoLauncher(Launcher):
 
 #: Detection order: the first launcher whose ``detect()`` is true wins.
 LAUNCHERS: tuple[type[Launcher], ...] = (TorchElastic, Slurm, OpenMPI, PMIx, NoLauncher)
+LAUNCHERS_BY_NAME: dict[str, type[Launcher]] = {launcher.name: launcher for launcher in LAUNCHERS}
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterIdentity:

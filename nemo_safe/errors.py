@@ -29,26 +29,27 @@ class RankZeroAbsent(NemoSafeError):
     the barrier (NeMo's exp_manager) carry on as upstream does."""
 
 
-class RankZeroFailed(NemoSafeError):
-    """Rank 0's work inside a barrier raised; re-raised on every other rank.
-
-    ``remote_type`` and ``remote_message`` carry rank 0's exception type name and text.
-    """
+class RemoteFailure(NemoSafeError):
+    """Another process's work failed, and this process waited for it: raised here with that
+    process's exception type name and text (``remote_type``, ``remote_message``), which also
+    survive pickling (a multiprocessing parent gets them back from a child)."""
 
     def __init__(self, message: str, remote_type: str = "", remote_message: str = "") -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_message = remote_message
 
+    def __reduce__(self) -> tuple[type[RemoteFailure], tuple[str, str, str]]:
+        return type(self), (str(self), self.remote_type, self.remote_message)
 
-class LeaderFailed(NemoSafeError):
+
+class RankZeroFailed(RemoteFailure):
+    """Rank 0's work inside a barrier raised; re-raised on every other rank."""
+
+
+class LeaderFailed(RemoteFailure):
     """The process that did a shared job (a dataset download) for the others failed;
     raised in every process that was waiting for it, with the leader's message."""
-
-    def __init__(self, message: str, remote_type: str = "", remote_message: str = "") -> None:
-        super().__init__(message)
-        self.remote_type = remote_type
-        self.remote_message = remote_message
 
 
 class LeaderDeposed(NemoSafeError):

@@ -33,7 +33,8 @@ whose exclusive create carries a verifier) elects the leader instead. No file lo
   timeout, so a slow download is never reported as a hung one.
 * Files in the lock folder that nemo_safe cannot have written (other users can
   write shared folders) are ignored with a warning, never trusted.
-* A process known as a preferred leader (rank 0) gets a short head start.
+* Nobody gets a head start, rank 0 included: a process that needs what rank 0 never
+  asks for (its own shard, an evaluation on one rank) would wait for nothing.
 
 ``run(job, done)`` runs the job; :meth:`SingleFlight.hold` is the same as a context
 manager (the leader runs the ``with`` block, the others come out of ``__enter__``
@@ -45,71 +46,32 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nemo_safe.atomic_files import (
-    listdir_if_exists,
-    pid_alive,
-    pid_namespace,
-    publish,
-    read_if_exists,
-    temp_name,
-    unlink_if_exists,
-)
-from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, WaitTimeout
-from nemo_safe.waiting import Backoff, Progress, default_timeout, env_seconds, positive_seconds
+from nemo_safe.atomic_files import pid_alive, unlink_if_exists
+from nemo_safe.cluster_identity import detect as detect_identity
+from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, NemoSafeError, WaitTimeout
+from nemo_safe.flight_locks import LOCK_DIRNAME, FlightLocks, lock_folder_usable
+from nemo_safe.waiting import Backoff, Progress, env_seconds, poll_cap, positive_seconds, timeout_or_default
+
+__all__ = ["LOCK_DIRNAME", "SingleFlight", "check_still_leading", "lock_folder_usable", "run_else_upstream"]
 
 log = logging.getLogger(__name__)
 
-LOCK_DIRNAME = ".nemo_safe"
 STALE_AFTER_ENV = "NEMO_SAFE_STALE_AFTER"
 DEFAULT_STALE_AFTER = 30.0
 HEARTBEAT = 1.0
 #: Missed beats after which a same-host leader whose pid is gone counts as dead.
 DEAD_PID_BEATS = 3
-#: Head start of the preferred leader when no lock exists yet.
-PREFERRED_GRACE = 2.0
-POLL_CAP = 0.25
 #: A waiter's own pause between two successful reads longer than this (or than a third of the
 #: stale limit): its stall, or reads that failed, restart its count of the leader's silence.
 OWN_STALL = 5.0
-#: What ``link(2)`` answers on filesystems without hard links.
-NO_LINK_ERRNOS = frozenset(
-    e for e in (errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None), errno.EXDEV) if e
-)
-STATES = ("running", "failed", "done")
-#: Reading a lock-folder entry failed because it is no lock nemo_safe wrote (not a failing server).
-_NOT_A_LOCK_ERRNOS = frozenset((errno.EISDIR, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO))
-#: Field types of a lock file; anything else was not written by nemo_safe.
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"beat": int, "host": str, "pid": int, "nonce": str}
-_UNREADABLE: dict[str, Any] = {"state": "unreadable"}
-
 _leading = threading.local()
-#: Lock folders whose filesystem refused a hard link (asked once per process and folder).
-_NO_LINKS: dict[str, bool] = {}
-
-
-def lock_folder_usable(directory: str) -> bool:
-    """Whether ``directory`` exists and its lock folder exists or can be created, and this process may
-    create and list entries in it. A patch calls upstream's code instead where it is not (a read-only
-    root, another user's lock folder left by a failure): waiting on a lock it cannot take or read
-    could only fail or hang where upstream completes."""
-    if not os.path.isdir(directory):
-        return False  # upstream fails there (or creates it); nemo_safe creates no folders for it
-    lock_dir = os.path.join(directory, LOCK_DIRNAME)
-    # Nothing is created here: a process that finds the work done must leave no lock folder behind.
-    where = lock_dir if os.path.isdir(lock_dir) else directory
-    if not os.access(where, os.W_OK | os.X_OK | os.R_OK):  # also False on a read-only mount
-        log.debug("nemo_safe: cannot create entries in %s; running as upstream does", where)
-        return False
-    return True
 
 
 def run_else_upstream(flight: SingleFlight, job: Callable[[], None], done: Callable[[], bool]) -> bool:
@@ -143,15 +105,12 @@ def check_still_leading() -> None:
         flight._check_not_deposed()
 
 
-def _validated(info: Any) -> dict[str, Any] | None:
-    """A lock file's content as nemo_safe writes it, or None."""
-    if not isinstance(info, dict) or info.get("state") not in STATES:
-        return None
-    for key, kind in _FIELD_TYPES.items():
-        value = info.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            return None
-    return info
+def _job_size() -> int:
+    """How many processes the launcher started (1 where none did, e.g. ``mp.spawn``)."""
+    try:
+        return detect_identity().world_size
+    except NemoSafeError:
+        return 1
 
 
 class _Watch:
@@ -184,6 +143,41 @@ class _Watch:
         return time.monotonic() - self.changed_at
 
 
+#: What :meth:`SingleFlight._look` returns while neither done nor elected.
+_KEEP_WAITING = -1
+
+
+class _Heartbeat:
+    """The leader's sign of life: its lock rewritten every :data:`HEARTBEAT` seconds with a growing
+    ``beat``, until stopped, or until it finds that another process took the flight over."""
+
+    def __init__(self, flight: SingleFlight, generation: int) -> None:
+        self.flight = flight
+        self.generation = generation
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"nemo_safe-heartbeat-{flight.name}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        locks = self.flight.locks
+        while not self._stop.wait(HEARTBEAT):
+            self.count += 1
+            try:
+                if not locks.still_holds(self.generation):
+                    self.flight._deposed.set()  # stalled past the limit and replaced: stop beating
+                    return
+                locks.publish(self.generation, locks.info("running", self.count))
+            except OSError as exc:
+                log.warning("nemo_safe: %s: heartbeat failed: %s", self.flight.what, exc)
+
+    def stop(self) -> int:
+        """Stop beating; the beat number the leader's next (final) record carries."""
+        self._stop.set()
+        self._thread.join()
+        return self.count + 1
+
+
 class SingleFlight:
     """``run()`` in every process; the job runs once per directory at a time."""
 
@@ -193,145 +187,29 @@ class SingleFlight:
         name: str,
         *,
         what: str | None = None,
-        preferred: bool | None = None,
         timeout: float | None = None,
         stale_after: float | None = None,
+        poll_max: float | None = None,
     ) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
-        self.lock_dir = os.path.join(self.directory, LOCK_DIRNAME)
         self.name = name
         self.what = what or f"{name} in {self.directory}"
-        self.preferred = preferred
-        self.timeout = default_timeout() if timeout is None else positive_seconds(f"{self.what}: timeout", timeout)
+        self.locks = FlightLocks(self.directory, name, self.what)
+        self.lock_dir = self.locks.lock_dir
+        self.timeout = timeout_or_default(self.what, timeout)
         self.stale_after = (
             env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER)
             if stale_after is None
             else positive_seconds(f"{self.what}: stale_after", stale_after)
         )
-        self.host = socket.gethostname()
-        self.pidns = pid_namespace()  # None where unknown: a pid is then never judged
-        self.nonce = os.urandom(8).hex()
+        #: A waiter's poll cap: as the barrier's, for the launcher's world size (every rank may wait here).
+        self.poll_max = (
+            poll_cap(_job_size()) if poll_max is None else positive_seconds(f"{self.what}: poll_max", poll_max)
+        )
         #: True when this process ran the job (tests and the demo report it).
         self.led = False
         self._generation: int | None = None  # the generation this process leads
         self._deposed = threading.Event()
-        self._warned_foreign: set[str] = set()
-
-    # -- lock files ---------------------------------------------------------------
-
-    def _lock_name(self, generation: int) -> str:
-        return f"{self.name}.{generation}"
-
-    def _generations(self) -> list[int]:
-        names = listdir_if_exists(self.lock_dir) or []
-        prefix = self.name + "."
-        return sorted(int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit())
-
-    def _read(self, generation: int) -> dict[str, Any] | None:
-        """The lock's content; None when it is gone; ``{"state": "unreadable"}`` while it is being
-        created (exclusive create without links) or when it is not nemo_safe's (ignored, with a
-        warning); raises OSError when this process could not read it (its own problem, not the leader's)."""
-        path = os.path.join(self.lock_dir, self._lock_name(generation))
-        try:
-            raw = read_if_exists(path)
-        except OSError as exc:
-            if exc.errno not in _NOT_A_LOCK_ERRNOS:
-                raise
-            raw = f"<{exc.strerror}>".encode()  # a directory, a symlink, another user's unreadable file
-        if raw is None:
-            return None
-        try:
-            info = _validated(json.loads(raw))
-        except ValueError:
-            info = None
-            if raw == b"" or raw.startswith(b"{"):
-                return dict(_UNREADABLE)  # empty or half-written by an exclusive create
-        if info is None:
-            if path not in self._warned_foreign:
-                self._warned_foreign.add(path)
-                log.warning(
-                    "nemo_safe: %s: %s is not a lock nemo_safe wrote (content %r); ignoring it. Another user or "
-                    "program writes into %s: remove it if this repeats.",
-                    self.what,
-                    path,
-                    raw[:80],
-                    self.lock_dir,
-                )
-            return {"state": "foreign"}
-        return info
-
-    def _info(self, state: str, beat: int, **extra: Any) -> bytes:
-        body = {
-            "state": state,
-            "beat": beat,
-            "host": self.host,
-            "pid": os.getpid(),
-            "pidns": self.pidns,
-            "nonce": self.nonce,
-            **extra,
-        }
-        return json.dumps(body).encode()
-
-    def _make_lock_dir(self) -> None:
-        try:
-            os.makedirs(self.lock_dir, exist_ok=True)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"{self.what}: cannot create {self.lock_dir} ({exc.strerror}). The data is missing or invalid and "
-                "must be written there: make the root writable, or download once with write access and "
-                "point the job at the finished copy."
-            ) from exc
-
-    def _try_lead(self, generation: int) -> bool:
-        """Create this generation's lock; True when this process won it."""
-        final = os.path.join(self.lock_dir, self._lock_name(generation))
-        for _ in range(20):
-            self._make_lock_dir()
-            try:
-                won = self._link_lock(final) if not _NO_LINKS.get(self.lock_dir) else None
-                if won is None:
-                    won = self._create_lock(final)
-                return won
-            except FileNotFoundError:
-                continue  # the lock directory was removed under us by a finishing leader: recreate it
-        raise ConfigurationError(f"{self.what}: {self.lock_dir} keeps disappearing; is something deleting it?")
-
-    def _link_lock(self, final: str) -> bool | None:
-        """Publish the lock complete by ``link(2)``; None when this filesystem has no hard links."""
-        tmp = os.path.join(self.lock_dir, temp_name(os.path.basename(final)))
-        try:
-            with open(tmp, "xb") as fh:
-                fh.write(self._info("running", 0))
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                # NFS may report EEXIST for a link whose first reply was lost: the link count tells.
-                return os.stat(tmp).st_nlink == 2
-            except OSError as exc:
-                if exc.errno not in NO_LINK_ERRNOS:
-                    raise
-                _NO_LINKS[self.lock_dir] = True
-                log.info("nemo_safe: %s: no hard links in %s (%s); electing by exclusive create", self.what,
-                         self.lock_dir, exc.strerror)  # fmt: skip
-                return None
-            return True
-        finally:
-            unlink_if_exists(tmp)
-
-    def _create_lock(self, final: str) -> bool:
-        """Elect by exclusive create where links are missing; readers that meet the file before
-        its content see it unreadable, which only a long silence turns into a takeover."""
-        try:
-            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except FileExistsError:
-            return False
-        try:
-            data = self._info("running", 0)
-            while data:
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
-        return True
 
     def _is_stale(self, info: dict[str, Any], watch: _Watch) -> bool:
         if info.get("state") == "foreign":
@@ -341,9 +219,8 @@ class SingleFlight:
         frozen = watch.frozen_for()
         if frozen >= self.stale_after:
             return True
-        same_process_space = (
-            self.pidns is not None and info.get("host") == self.host and info.get("pidns") == self.pidns
-        )
+        here = (self.locks.host, self.locks.pidns)
+        same_process_space = self.locks.pidns is not None and (info.get("host"), info.get("pidns")) == here
         if not same_process_space or frozen < DEAD_PID_BEATS * HEARTBEAT:
             return False
         pid = info.get("pid")
@@ -351,26 +228,10 @@ class SingleFlight:
 
     # -- the leader ----------------------------------------------------------------
 
-    def _still_holds(self, generation: int) -> bool:
-        """Whether this process still leads ``generation``: no newer one exists and the lock still
-        carries its nonce (a new leader that finished has removed it; a later flight may reuse the name).
-        Unknown (a read failing on our side) counts as yes."""
-        try:
-            if any(g > generation for g in self._generations()):
-                return False
-            raw = read_if_exists(os.path.join(self.lock_dir, self._lock_name(generation)))
-        except OSError:
-            return True
-        try:
-            info = json.loads(raw) if raw is not None else None
-        except ValueError:
-            return False
-        return isinstance(info, dict) and info.get("nonce") == self.nonce
-
     def _check_not_deposed(self) -> None:
         if self._generation is None:
             return
-        if self._deposed.is_set() or not self._still_holds(self._generation):
+        if self._deposed.is_set() or not self.locks.still_holds(self._generation):
             raise self._deposed_error(self._generation)
 
     @contextlib.contextmanager
@@ -380,62 +241,52 @@ class SingleFlight:
         self.led = True
         self._generation = generation
         self._deposed.clear()
-        name = self._lock_name(generation)
-        stop = threading.Event()
-        beat = [0]
-
-        def heartbeat() -> None:
-            while not stop.wait(HEARTBEAT):
-                beat[0] += 1
-                try:
-                    if not self._still_holds(generation):
-                        self._deposed.set()  # stalled past the limit and replaced: stop beating
-                        return
-                    publish(self.lock_dir, name, self._info("running", beat[0]))
-                except OSError as exc:
-                    log.warning("nemo_safe: %s: heartbeat failed: %s", self.what, exc)
-
-        thread = threading.Thread(target=heartbeat, daemon=True, name=f"nemo_safe-heartbeat-{self.name}")
-        thread.start()
+        beat = _Heartbeat(self, generation)
         _leading.flight = self
         log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
         try:
             yield
             self._check_not_deposed()
         except Exception as exc:
-            stop.set()
-            thread.join()
-            if self._was_deposed(generation):
-                log.warning("nemo_safe: %s: taken over while stalled (%s: %s); waiting for the new leader",
-                            self.what, type(exc).__name__, exc)  # fmt: skip
-                raise self._deposed_error(generation) from exc
-            try:
-                failed = self._info("failed", beat[0] + 1, error_type=type(exc).__name__, error=str(exc))
-                publish(self.lock_dir, name, failed)
-            except OSError as publish_error:  # e.g. the same full disk: waiters then see a dead leader instead
-                log.warning("nemo_safe: %s: could not record the failure for the others: %s", self.what, publish_error)
+            self._record_failure(generation, beat.stop(), exc)
             raise
         except BaseException:
             # Interrupted (SIGTERM, Ctrl-C): not a verdict on the job, so let another process take over.
-            stop.set()
-            thread.join()
-            unlink_if_exists(os.path.join(self.lock_dir, name))
+            beat.stop()
+            unlink_if_exists(os.path.join(self.lock_dir, self.locks.lock_name(generation)))
             raise
         finally:
             _leading.flight = None
             self._generation = None
-        stop.set()
-        thread.join()
+        self._record_success(generation, beat.stop())
+
+    def _record_failure(self, generation: int, beat: int, exc: Exception) -> None:
+        """The job raised: record it for the waiters, unless this process was deposed meanwhile."""
+        if self._was_deposed(generation):
+            log.warning("nemo_safe: %s: taken over while stalled (%s: %s); waiting for the new leader",
+                        self.what, type(exc).__name__, exc)  # fmt: skip
+            raise self._deposed_error(generation) from exc
         try:
-            if not self._still_holds(generation):
-                raise FileNotFoundError(errno.ENOENT, "the lock is another process's now", name)
-            publish(self.lock_dir, name, self._info("done", beat[0] + 1))
+            self.locks.publish(
+                generation, self.locks.info("failed", beat, error_type=type(exc).__name__, error=str(exc))
+            )
+        except OSError as publish_error:  # e.g. the same full disk: waiters then see a dead leader instead
+            log.warning("nemo_safe: %s: could not record the failure for the others: %s", self.what, publish_error)
+
+    def _record_success(self, generation: int, beat: int) -> None:
+        """Mark the lock done (the waiters' ``done()`` then holds), and remove it and older generations."""
+        try:
+            if not self.locks.still_holds(generation):
+                raise FileNotFoundError(
+                    errno.ENOENT, "the lock is another process's now", self.locks.lock_name(generation)
+                )
+            self.locks.publish(generation, self.locks.info("done", beat))
         except OSError as exc:
             if not self._was_deposed(generation):
                 raise
             log.warning("nemo_safe: %s: taken over while stalled (%s); waiting for the new leader", self.what, exc)
             raise self._deposed_error(generation) from exc
-        self._remove_locks(generation)
+        self.locks.remove_through(generation)
 
     def _deposed_error(self, generation: int) -> LeaderDeposed:
         self._deposed.set()  # what run() and hold()'s callers check before waiting again
@@ -444,18 +295,8 @@ class SingleFlight:
             f"(generation {generation}) while it was stalled; it stops and waits for the new one"
         )
 
-    def _remove_locks(self, generation: int) -> None:
-        """After success: this generation's lock and older ones, then the folder if empty."""
-        try:
-            for g in self._generations():
-                if g <= generation:
-                    unlink_if_exists(os.path.join(self.lock_dir, self._lock_name(g)))
-            os.rmdir(self.lock_dir)
-        except OSError:
-            pass  # another job's lock, a process about to lead, or a foreign entry: not ours to remove
-
     def _was_deposed(self, generation: int) -> bool:
-        return self._deposed.is_set() or not self._still_holds(generation)
+        return self._deposed.is_set() or not self.locks.still_holds(generation)
 
     # -- everyone ------------------------------------------------------------------
 
@@ -464,8 +305,8 @@ class SingleFlight:
         on part of a job's output (a dataset checked by one of the folders it downloads) adds ``not
         leader_running()``, so that nobody leaves before the leader is through. Unknown counts as yes."""
         try:
-            generations = self._generations()
-            info = self._read(generations[-1]) if generations else None
+            generations = self.locks.generations()
+            info = self.locks.read(generations[-1]) if generations else None
         except OSError:
             return True
         return info is not None and info.get("state") in ("running", "unreadable")
@@ -511,81 +352,88 @@ class SingleFlight:
 
     def _wait(self, done: Callable[[], bool]) -> int | None:
         """None once ``done()`` holds; the generation this process won the lock of, when it must lead."""
-        deadline = time.monotonic() + self.timeout
-        backoff = Backoff(POLL_CAP, start=0.01)
-        progress = Progress()
-        grace_until = None if self.preferred is not False else time.monotonic() + PREFERRED_GRACE
-        watch: _Watch | None = None
+        waiting = _Waiting(self)
         while True:
             if done():
                 return None
-            try:
-                generations = self._generations()
-            except OSError as exc:  # listing failed on our side (a failover): not a verdict on anyone
-                log.debug("nemo_safe: %s: listing the lock folder failed: %s", self.what, exc)
-                if time.monotonic() > deadline:
-                    message = f"{self.what}: could not list {self.lock_dir} for {self.timeout:.0f} s: {exc}"
-                    raise WaitTimeout(message) from exc
-                backoff.sleep(deadline)
-                continue
-            if not generations:
-                if grace_until is not None and time.monotonic() < grace_until:
-                    backoff.sleep(grace_until)
-                    continue
-                if self._try_lead(0):
-                    return 0
-                continue
-            current = generations[-1]
-            try:
-                info = self._read(current)
-            except OSError as exc:  # our own read failed (an NFS failover): not the leader's silence
-                log.debug("nemo_safe: %s: reading the lock failed: %s", self.what, exc)
-                info = {}
-            if info is None:
-                backoff.sleep(deadline)  # removed by a finishing leader just now
-                continue
-            if watch is None or watch.generation != current:
-                watch = _Watch(current, self.stale_after)
-            if info and watch.observe(info):
-                deadline = max(deadline, time.monotonic() + self.timeout)  # the timeout is for silence
-            state = info.get("state")
-            if state == "failed" and watch.saw_running:
-                raise LeaderFailed(
-                    f"{self.what} failed in the process that did it for this one (host {info.get('host')}, "
-                    f"pid {info.get('pid')}): {info.get('error_type')}: {info.get('error')}",
-                    str(info.get("error_type", "")),
-                    str(info.get("error", "")),
-                )
-            if state in ("failed", "done") or (info and self._is_stale(info, watch)):
-                # An earlier attempt's failure, a leader whose job did not cover this process,
-                # a dead leader or a file that is no lock: one process starts the next generation.
-                if state not in ("failed", "done", "foreign"):
-                    log.warning(
-                        "nemo_safe: %s: the process doing it (host %s, pid %s) stopped answering for %.0f s; "
-                        "taking over",
-                        self.what,
-                        info.get("host"),
-                        info.get("pid"),
-                        watch.frozen_for(),
-                    )
-                if state == "done" and done():
-                    return None
-                if self._try_lead(current + 1):
-                    return current + 1
-                continue
-            if time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"{self.what}: waited {progress.elapsed:.0f} s for the process doing it (host "
-                    f"{info.get('host')}, pid {info.get('pid')}), and for the last {self.timeout:.0f} s it "
-                    f"showed no sign of progress (its lock {self.lock_dir} did not change) although it was not "
-                    "found dead. Check that process; raise NEMO_SAFE_BARRIER_TIMEOUT if it is merely slow."
-                )
-            if progress.due():
-                log.info(
-                    "nemo_safe: %s: waiting %.0f s for host %s pid %s",
-                    self.what,
-                    progress.elapsed,
-                    info.get("host"),
-                    info.get("pid"),
-                )
-            backoff.sleep(deadline)
+            outcome = waiting.look(done)
+            if outcome is not _KEEP_WAITING:
+                return outcome
+
+
+class _Waiting:
+    """One process's wait in :meth:`SingleFlight.hold`: its deadline (extended by each sign of the
+    leader's life), its poll schedule and what it has seen of the current leader."""
+
+    def __init__(self, flight: SingleFlight) -> None:
+        self.flight = flight
+        self.deadline = time.monotonic() + flight.timeout
+        self.backoff = Backoff(flight.poll_max, start=0.01)
+        self.progress = Progress()
+        self.watch: _Watch | None = None
+
+    def look(self, done: Callable[[], bool]) -> int | None:
+        """One look at the lock folder: lead where no generation exists yet, else follow the newest one's leader."""
+        f = self.flight
+        try:
+            generations = f.locks.generations()
+        except OSError as exc:  # listing failed on our side (a failover): not a verdict on anyone
+            log.debug("nemo_safe: %s: listing the lock folder failed: %s", f.what, exc)
+            if time.monotonic() > self.deadline:
+                message = f"{f.what}: could not list {f.lock_dir} for {f.timeout:.0f} s: {exc}"
+                raise WaitTimeout(message) from exc
+            self.backoff.sleep(self.deadline)
+            return _KEEP_WAITING
+        if not generations:
+            return 0 if f.locks.try_lead(0) else _KEEP_WAITING
+        current = generations[-1]
+        try:
+            info = f.locks.read(current)
+        except OSError as exc:  # our own read failed (an NFS failover): not the leader's silence
+            log.debug("nemo_safe: %s: reading the lock failed: %s", f.what, exc)
+            info = {}
+        if info is None:
+            self.backoff.sleep(self.deadline)  # removed by a finishing leader just now
+            return _KEEP_WAITING
+        return self._follow(current, info, done)
+
+    def _follow(self, current: int, info: dict[str, Any], done: Callable[[], bool]) -> int | None:
+        """Judge generation ``current``'s lock (``{}`` when this process could not read it): raise the
+        leader's failure, take over from a dead or finished one, or wait on."""
+        f = self.flight
+        if self.watch is None or self.watch.generation != current:
+            self.watch = _Watch(current, f.stale_after)
+        watch = self.watch
+        if info and watch.observe(info):
+            self.deadline = max(self.deadline, time.monotonic() + f.timeout)  # the timeout is for silence
+        state = info.get("state")
+        if state == "failed" and watch.saw_running:
+            raise LeaderFailed(
+                f"{f.what} failed in the process that did it for this one (host {info.get('host')}, "
+                f"pid {info.get('pid')}): {info.get('error_type')}: {info.get('error')}",
+                str(info.get("error_type", "")),
+                str(info.get("error", "")),
+            )
+        if state in ("failed", "done") or (info and f._is_stale(info, watch)):
+            # An earlier attempt's failure, a leader whose job did not cover this process,
+            # a dead leader or a file that is no lock: one process starts the next generation.
+            if state not in ("failed", "done", "foreign"):
+                log.warning(
+                    "nemo_safe: %s: the process doing it (host %s, pid %s) stopped answering for %.0f s; taking over",
+                    f.what, info.get("host"), info.get("pid"), watch.frozen_for(),
+                )  # fmt: skip
+            if state == "done" and done():
+                return None
+            return current + 1 if f.locks.try_lead(current + 1) else _KEEP_WAITING
+        if time.monotonic() > self.deadline:
+            raise WaitTimeout(
+                f"{f.what}: waited {self.progress.elapsed:.0f} s for the process doing it (host "
+                f"{info.get('host')}, pid {info.get('pid')}), and for the last {f.timeout:.0f} s it "
+                f"showed no sign of progress (its lock {f.lock_dir} did not change) although it was not "
+                "found dead. Check that process; raise NEMO_SAFE_BARRIER_TIMEOUT if it is merely slow."
+            )
+        if self.progress.due():
+            log.info("nemo_safe: %s: waiting %.0f s for host %s pid %s", f.what, self.progress.elapsed,
+                     info.get("host"), info.get("pid"))  # fmt: skip
+        self.backoff.sleep(self.deadline)
+        return _KEEP_WAITING

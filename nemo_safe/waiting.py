@@ -17,6 +17,10 @@ from nemo_safe.errors import ConfigurationError
 DEFAULT_TIMEOUT = 1800.0
 TIMEOUT_ENV = "NEMO_SAFE_BARRIER_TIMEOUT"
 POLL_MIN = 0.002
+POLL_MAX_ENV = "NEMO_SAFE_POLL_MAX"
+#: Poll cap of a waiting process: 50 ms for small jobs, growing with the number of processes that may
+#: poll one folder so that together they make at most ~2,000 polls/s on a metadata server, at most 1 s.
+POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
 PROGRESS_EVERY = 5.0
 
 
@@ -63,6 +67,17 @@ def env_seconds(name: str, default: float) -> float:
 def default_timeout() -> float:
     """Seconds to wait for other processes: ``NEMO_SAFE_BARRIER_TIMEOUT`` or 30 minutes."""
     return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+
+
+def poll_cap(processes: int) -> float:
+    """The poll cap for ``processes`` waiting processes: ``NEMO_SAFE_POLL_MAX``, else scaled (see above)."""
+    scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, processes / POLLS_PER_SECOND_BUDGET))
+    return env_seconds(POLL_MAX_ENV, scaled)
+
+
+def timeout_or_default(what: str, timeout: object) -> float:
+    """A caller's timeout, validated (:func:`positive_seconds`), or :func:`default_timeout` when None."""
+    return default_timeout() if timeout is None else positive_seconds(f"{what}: timeout", timeout)
 
 
 class Backoff:

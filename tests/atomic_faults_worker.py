@@ -110,7 +110,7 @@ def main() -> int:
 
         import nemo_safe
         import nemo_safe.barrier  # noqa: F401
-        from nemo_safe import download_race
+        from nemo_safe_tools import download_race
 
         if args.user:
             _drop_privileges(args.user, args.umask)

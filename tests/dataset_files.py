@@ -3,7 +3,7 @@
 Each builder returns a :class:`DatasetFiles`: the files a loopback mirror serves, the class attributes
 that point the class at them (``{mirror}`` is replaced by the mirror's URL, md5s are of these files),
 constructor arguments, and the digests a correct load gives (as
-:func:`nemo_safe.download_race.build` computes them).
+:func:`download_harness.build` computes them).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_safe.download_race import digests_of_items
+from download_harness import digests_of_items
 
 
 @dataclass
@@ -53,7 +53,7 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def item_reference(items: list[tuple[np.ndarray, Any]]) -> dict[str, str]:
-    """What :func:`nemo_safe.download_race.item_digests` gives for these (image pixels, target) items."""
+    """What :func:`download_harness.item_digests` gives for these (image pixels, target) items."""
     return digests_of_items(items)
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import nemo_safe
-from nemo_safe import demo, detect_identity
+from nemo_safe import detect_identity
+from nemo_safe_tools import demo
 
 OLD_FILES = 500
 RANK0_LATE = 6.0  # longer than exp_manager's seconds_to_sleep (5 s): upstream then races by construction

@@ -18,12 +18,10 @@ def main() -> int:
     p.add_argument("--dir", required=True)
     p.add_argument("--work", type=float, default=1.0, help="seconds the job takes")
     p.add_argument("--fail", action="store_true", help="the job raises after its work")
-    p.add_argument("--preferred", choices=["yes", "no", "unknown"], default="unknown")
     p.add_argument("--fence", action="store_true", help="the job checks every 0.1 s that it still leads")
     args = p.parse_args()
     directory = Path(args.dir)
     product = directory / "product"
-    preferred = {"yes": True, "no": False, "unknown": None}[args.preferred]
 
     # Looked up, not imported, so that the same test shows what a version without the check does.
     fence = getattr(single_flight, "check_still_leading", lambda: None) if args.fence else lambda: None
@@ -38,7 +36,7 @@ def main() -> int:
         (directory / f"made-by.{os.getpid()}").write_text("x")
         product.write_text("done")
 
-    flight = SingleFlight(directory, "job", preferred=preferred)
+    flight = SingleFlight(directory, "job")
     result: dict = {"pid": os.getpid(), "status": "ok"}
     started = time.monotonic()
     try:

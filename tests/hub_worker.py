@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -67,14 +66,10 @@ def load(url: str) -> dict[str, Any]:
 
 
 def attempt(rank: int, url: str, results: str) -> None:
-    result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "status": "ok", "started": time.time()}
-    started = time.monotonic()
-    try:
-        result.update(load(url))
-    except Exception as exc:
-        result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:2000])
-    result["seconds"] = time.monotonic() - started
-    Path(results, f"{rank}.json").write_text(json.dumps(result))
+    """:func:`load`, timed, as one rank of the download race: ``<results>/<rank>.json``."""
+    from nemo_safe_tools.download_race import attempt as race_attempt
+
+    race_attempt(rank, argparse.Namespace(results=results), lambda _: load(url))
 
 
 def _spawned(index: int, args: argparse.Namespace) -> None:
@@ -111,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(_spawned, args=(args,), nprocs=args.nprocs, join=True)
         return 0
     import nemo_safe
-    from nemo_safe.demo import start_gate
+    from nemo_safe_tools.demo import start_gate
 
     if args.mode == "member":
         import torchvision.models  # noqa: F401

@@ -40,7 +40,7 @@ def main() -> int:
 
     if args.mode == "race":
         # The same member as `nemo-safe demo`; the tests check its report and the files independently.
-        from nemo_safe import demo
+        from nemo_safe_tools import demo
 
         if args.die_rank == ident.rank:
             import nemo.utils.exp_manager  # noqa: F401  (die after the same slow imports as the others)
@@ -66,7 +66,7 @@ def main() -> int:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    from nemo_safe.demo import cpu_trainer_kwargs, resume_cfg, write_result
+    from nemo_safe_tools.demo import cpu_trainer_kwargs, resume_cfg, write_result
 
     trainer = pl.Trainer(strategy="ddp", max_steps=args.max_steps, **cpu_trainer_kwargs(args.devices, args.nodes))
     checkpointing = {

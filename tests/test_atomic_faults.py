@@ -29,10 +29,11 @@ import pytest
 from conftest import IN_CI
 
 import nemo_safe  # noqa: F401  (patches torchvision in this process)
-from nemo_safe import download_race
 from nemo_safe.atomic_files import owned_temp_name, pid_alive, sweep_stale_temps
-from nemo_safe.loopback_mirror import Faults, LoopbackMirror
+from nemo_safe_tools import download_race
+from nemo_safe_tools.loopback_mirror import LoopbackMirror
 
+from faulty_mirror import Faults, FaultyMirror
 from procs import clean_env
 
 WORKER = str(Path(__file__).resolve().parent / "atomic_faults_worker.py")
@@ -219,7 +220,7 @@ def test_group_shared_root_serves_two_users(group_dir: Path) -> None:
     made is 0o2775 in the shared group, as os.makedirs makes it there."""
     raw = download_race.synthetic_mnist(train=600, test=100, seed=3)
     resources = json.dumps(download_race.resources_of(raw))
-    with LoopbackMirror(raw, faults=Faults(corrupt={"t10k-labels-idx1-ubyte.gz"})) as bad:
+    with FaultyMirror(raw, faults=Faults(corrupt={"t10k-labels-idx1-ubyte.gz"})) as bad:
         failed = _run("mnist", group_dir, bad.url, resources=resources, **_as(USER_A))
     assert failed["status"] == "error", failed
     mnist = group_dir / "MNIST"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nemo_safe import Barrier, ConfigurationError, NemoSafeError, rank_zero_first
-from nemo_safe.barrier import _ranges
+from nemo_safe.barrier_state import ranges
 
 
 @pytest.mark.parametrize("world", [0, -1, 1.5, True, "8"])
@@ -53,8 +53,8 @@ def test_missing_directory_is_named(tmp_path: Path) -> None:
 
 
 def test_ranges() -> None:
-    assert _ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
-    assert _ranges([]) == "none"
+    assert ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
+    assert ranges([]) == "none"
 
 
 def test_read_only_directory_is_a_clear_error(tmp_path: Path) -> None:

@@ -165,3 +165,21 @@ def test_bad_values_are_clear_errors(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigurationError, match=None) as info:
         detect(env)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "hint"), [(SLURM, "srun --nodes x --ntasks-per-node"), (TORCHRUN, "torchrun --nnodes x --nproc-per-node")]
+)
+def test_validate_settings_checks_the_trainer_against_the_launcher(env: dict[str, str], hint: str) -> None:
+    """A trainer's num_nodes x devices must be the launcher's world size: ranks waiting for processes the
+    launcher never started would never meet. The message says both counts, this rank and what to change."""
+    ident = detect(env)
+    world = ident.world_size
+    ident.validate_settings(num_devices=world // 2, num_nodes=2)
+    ident.validate_settings(num_devices=world, num_nodes=1)
+    with pytest.raises(ConfigurationError) as info:
+        ident.validate_settings(num_devices=world, num_nodes=2)
+    message = str(info.value)
+    assert f"num_nodes=2 x devices={world} = {2 * world} processes" in message
+    assert f"{ident.launcher} started {world} (this is rank {ident.rank})" in message
+    assert hint in message

@@ -1,6 +1,6 @@
 """``nemo-safe doctor`` tells the truth: every line it prints is checked against the real process.
 
-A program runs doctor in-process (``nemo_safe.cli.main(["doctor"])``) between steps
+A program runs doctor in-process (``nemo_safe_tools.cli.main(["doctor"])``) between steps
 (reloads, re-executions, ``patch()``/``unpatch()``, changed upstream sources) and then
 reports facts read from the real modules, never from nemo_safe's bookkeeping: whether
 each patched name holds a function whose code lives in the nemo_safe package, the
@@ -204,7 +204,7 @@ for step in steps:
     elif step == "report":
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            from nemo_safe import cli
+            from nemo_safe_tools import cli
             rc = cli.main(["doctor"])
         report = {"step": len(reports), "rc": rc, "stdout": out.getvalue(), "facts": facts()}
         if latest:  # after unpatch: the functions the module defines now, not older ones

@@ -28,8 +28,8 @@ from conftest import IN_CI
 from test_torchvision_downloads import mnist
 
 import nemo_safe
-from nemo_safe.loopback_mirror import Faults, LoopbackMirror
 
+from faulty_mirror import Faults, FaultyMirror
 from procs import clean_env, torchrun_env
 
 __all__ = ["mnist"]  # the fixture shared with the torchvision tests
@@ -204,7 +204,7 @@ def test_mnist_goes_to_next_mirror_when_first_breaks_off(tmp_path: Path, mnist, 
     name = "train-labels-idx1-ubyte.gz"
     faults = Faults(drop_after={name: 10_000}) if fault == "closed" else Faults(reset_after={name: 10_000})
     root = tmp_path / "root"
-    with LoopbackMirror(mnist, faults=faults) as first, LoopbackMirror(mnist) as second:
+    with FaultyMirror(mnist, faults=faults) as first, FaultyMirror(mnist) as second:
         res, out = run_script(MNIST_SCRIPT, twin, str(root), first.url, second.url)
         s1, s2 = first.stats(), second.stats()
     assert s1[name].requests == 1 and s1[name].complete == 0, s1
@@ -272,7 +272,7 @@ def test_https_bad_record_falls_back_to_http_as_upstream(tmp_path: Path, tls, bl
     ctx, cert = tls
     md5 = hashlib.md5(blob).hexdigest()
     faults = Faults(bad_tls_record_after={BLOB_NAME: 1_000_000}, schemes=frozenset({"https"}))
-    with LoopbackMirror({BLOB_NAME: blob}, faults=faults, tls=ctx) as mirror:
+    with FaultyMirror({BLOB_NAME: blob}, faults=faults, tls=ctx) as mirror:
         res = _download(twin, mirror.https_url + BLOB_NAME, tmp_path / "root", md5, cert)
         s = mirror.stats()[BLOB_NAME]
     assert res["status"] == "ok", res
@@ -290,7 +290,7 @@ def test_https_dropped_connection_falls_back_to_http(tmp_path: Path, tls, blob: 
     ctx, cert = tls
     md5 = hashlib.md5(blob).hexdigest()
     faults = Faults(reset_after={BLOB_NAME: 1_000_000}, schemes=frozenset({"https"}))
-    with LoopbackMirror({BLOB_NAME: blob}, faults=faults, tls=ctx) as mirror:
+    with FaultyMirror({BLOB_NAME: blob}, faults=faults, tls=ctx) as mirror:
         res = _download(twin, mirror.https_url + BLOB_NAME, tmp_path / "root", md5, cert)
         s = mirror.stats()[BLOB_NAME]
     if twin == "upstream":
@@ -309,7 +309,7 @@ def test_http_reset_mid_body_is_an_oserror(tmp_path: Path, blob: bytes, twin: st
     ConnectionResetError, which SBU's ``except OSError`` skips. nemo_safe raises the same error (errors
     reading the body keep their type) and leaves no partial file behind."""
     faults = Faults(reset_after={BLOB_NAME: 1_000_000})
-    with LoopbackMirror({BLOB_NAME: blob}, faults=faults) as mirror:
+    with FaultyMirror({BLOB_NAME: blob}, faults=faults) as mirror:
         res = _download(twin, mirror.url + BLOB_NAME, tmp_path / "root", None)
     assert res["status"] == "error" and res["caught_as_oserror"], res
     assert "ConnectionResetError" in res["mro"], res
@@ -327,7 +327,7 @@ def test_http_closed_early_without_md5(tmp_path: Path, blob: bytes, twin: str) -
     ContentTooShortError (a URLError), which an ``except OSError`` caller such as SBU skips and MNIST's
     mirror loop (``except URLError``) goes past."""
     faults = Faults(drop_after={BLOB_NAME: 1_000_000})
-    with LoopbackMirror({BLOB_NAME: blob}, faults=faults) as mirror:
+    with FaultyMirror({BLOB_NAME: blob}, faults=faults) as mirror:
         res = _download(twin, mirror.url + BLOB_NAME, tmp_path / "root", None)
     if twin == "upstream":
         assert res["status"] == "ok", res
@@ -344,7 +344,7 @@ def test_wrong_md5_is_a_runtime_error(tmp_path: Path, blob: bytes, twin: str) ->
     """Upstream raises RuntimeError("File not found or corrupted."); nemo_safe raises the same, before
     publishing, so the wrong bytes are not left under the file's name."""
     md5 = hashlib.md5(blob).hexdigest()
-    with LoopbackMirror({BLOB_NAME: blob}, faults=Faults(corrupt={BLOB_NAME})) as mirror:
+    with FaultyMirror({BLOB_NAME: blob}, faults=Faults(corrupt={BLOB_NAME})) as mirror:
         res = _download(twin, mirror.url + BLOB_NAME, tmp_path / "root", md5)
     assert res["status"] == "error" and "RuntimeError" in res["mro"] and not res["caught_as_oserror"], res
     assert res["error"].startswith("File not found or corrupted"), res
@@ -401,7 +401,7 @@ print(json.dumps(res))
 @pytest.mark.parametrize("missing", ["O_NOFOLLOW", "link", "O_NOFOLLOW,link"])
 def test_without_nofollow_or_link_torchvision_runs_as_upstream(tmp_path: Path, blob: bytes, missing: str) -> None:
     md5 = hashlib.md5(blob).hexdigest()
-    with LoopbackMirror({BLOB_NAME: blob}) as mirror:
+    with FaultyMirror({BLOB_NAME: blob}) as mirror:
         res, out = run_script(PLATFORM_SCRIPT, missing, "torchvision", mirror.url + BLOB_NAME, str(tmp_path), md5)
     _assert_untouched_with_one_warning(res, out, missing)
     assert res["downloaded"] == [BLOB_NAME], res
@@ -438,3 +438,15 @@ def test_disable_variable_values(value: str, patched: bool, warned: bool) -> Non
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) is patched, (value, out.stdout)
     assert ("NEMO_SAFE_DISABLE='maybe' is neither" in out.stderr) is warned, out.stderr
+
+
+@pytest.mark.parametrize("error_class", [nemo_safe.RankZeroFailed, nemo_safe.LeaderFailed])
+def test_remote_failures_keep_the_remote_error_through_pickling(error_class: type) -> None:
+    """A failure raised in a spawned child reaches the parent pickled (mp.spawn, multiprocessing pools):
+    the remote type and message must survive, as filelock's Timeout keeps its path."""
+    import pickle
+
+    error = error_class("rank 0 failed: OSError: disk full", "OSError", "disk full")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is error_class and isinstance(copy, nemo_safe.RemoteFailure)
+    assert (str(copy), copy.remote_type, copy.remote_message) == (str(error), "OSError", "disk full")

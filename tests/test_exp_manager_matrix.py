@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from nemo_safe import demo
+from nemo_safe_tools import demo
 
 import exp_manager_worker as worker
 from procs import clean_env

@@ -20,9 +20,9 @@ import pytest
 from conftest import IN_CI
 from test_torchvision_downloads import _assert_all_loaded, _assert_one_fetch_each, mnist, reference, throttled
 
-from nemo_safe import download_race
-from nemo_safe.download_race import read_results
+from nemo_safe_tools.download_race import read_results
 
+from download_harness import run_spawn
 from procs import HERE, finish_flights, start_flights
 
 __all__ = ["mnist", "reference"]  # fixtures shared with the torchvision tests
@@ -79,7 +79,7 @@ def faultfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
 
 
 def _spawn(world: int, root: Path, res: Path, mirror: str, disable: bool, **kw: object) -> str:
-    out = download_race.run_spawn(world, root, res, mirror, disable=disable, timeout=HANG_GUARD, **kw)
+    out = run_spawn(world, root, res, mirror, disable=disable, timeout=HANG_GUARD, **kw)
     return "" if out.returncode == 0 else out.stderr[-3000:]
 
 

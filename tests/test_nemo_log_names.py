@@ -13,7 +13,7 @@ import os
 import pytest
 
 from nemo_safe.cluster_identity import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-from nemo_safe.patches.nemo_exp_manager import log_local_rank
+from nemo_safe.patches.nemo_log_names import log_local_rank
 
 TWO_BY_TWO = {"devices": 2, "num_nodes": 2, "strategy": "ddp"}
 

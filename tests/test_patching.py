@@ -195,6 +195,20 @@ def test_import_is_cheap() -> None:
     ], out.stdout + out.stderr[-2000:]
 
 
+def test_library_never_imports_the_tooling() -> None:
+    """The library is the ground floor: no module of ``nemo_safe`` names ``nemo_safe_tools`` (the command,
+    the demo's races, the loopback mirror), not even in an ``importlib`` string, so that the tooling stays
+    out of every training process."""
+    package = Path(__file__).resolve().parents[1] / "nemo_safe"
+    found = [
+        f"{path.relative_to(package.parent)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "nemo_safe_tools" in line
+    ]
+    assert not found, found
+
+
 def test_broken_patch_never_breaks_the_import(target: Path) -> None:
     code = textwrap.dedent(f"""
         import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from nemo_safe import atomic_files
 from nemo_safe.single_flight import LOCK_DIRNAME, SingleFlight
 
-from procs import FLIGHT_WORKER, clean_env, finish_flights, start_flights
+from procs import FLIGHT_WORKER, finish_flights, start_flights
 
 WORKER = FLIGHT_WORKER
 HANG_GUARD = 120
@@ -76,14 +77,6 @@ def test_dead_leader_on_this_host_is_replaced_quickly(tmp_path: Path) -> None:
     results = _run(2, tmp_path, "--work", "0.2")  # default stale_after is 30 s: the pid check must do it
     assert all(r["status"] == "ok" for r in results), results
     assert max(r["seconds"] for r in results) < 30, results
-
-
-def test_preferred_leader_gets_the_job(tmp_path: Path) -> None:
-    others = subprocess.Popen([sys.executable, WORKER, "--dir", str(tmp_path), "--preferred", "no"],
-                              env=clean_env(), text=True, stdout=subprocess.PIPE)  # fmt: skip
-    (rank0,) = _run(1, tmp_path, "--preferred", "yes", "--work", "0.5")
-    out, _ = others.communicate(timeout=HANG_GUARD)
-    assert rank0["led"] and not json.loads(out)["led"]
 
 
 def test_hold_runs_the_block_in_the_leader_and_records_its_failure(tmp_path: Path) -> None:
@@ -148,3 +141,29 @@ def test_a_flight_held_again_by_its_leader_runs_inside_it(tmp_path: Path) -> Non
     assert not flight.is_alive(), "the inner hold waited for the outer one"
     assert ran == ["outer", "inner"]
     assert not (tmp_path / LOCK_DIRNAME).exists(), "nothing left behind"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, 0.05),  # one process, or mp.spawn before any launcher variable: the barrier's floor
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, 0.05),
+        ({"RANK": "3", "WORLD_SIZE": "1000", "LOCAL_RANK": "3"}, 0.5),  # ~2,000 polls/s for the whole job
+        ({"RANK": "3", "WORLD_SIZE": "4096", "LOCAL_RANK": "3"}, 1.0),  # capped
+        ({"NEMO_SAFE_POLL_MAX": "0.2"}, 0.2),
+    ],
+)
+def test_waiters_poll_as_often_as_the_job_size_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: float
+) -> None:
+    """Download waiters poll with the barrier's cap for the launcher's world size: 50 ms in small jobs
+    (they learn of the leader's success within that), slower where thousands of ranks poll one folder."""
+    from nemo_safe import cluster_identity
+
+    for name in [*cluster_identity.LAUNCHER_NAMES, "NEMO_SAFE_POLL_MAX"]:
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith(cluster_identity.LAUNCHER_PREFIXES)]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(expected)

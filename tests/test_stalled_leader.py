@@ -22,7 +22,7 @@ from test_torchvision_downloads import (
     throttled,
 )
 
-from nemo_safe.download_race import read_results
+from nemo_safe_tools.download_race import read_results
 
 from procs import finish_flights, start_flights
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI
 
-from nemo_safe.loopback_mirror import LoopbackMirror
+from nemo_safe_tools.loopback_mirror import LoopbackMirror
 
 from procs import clean_env
 
@@ -63,7 +63,7 @@ def _env(torch_home: Path, disable: bool) -> dict[str, str]:
 
 
 def _free_port() -> int:
-    from nemo_safe.download_race import free_port
+    from nemo_safe_tools.download_race import free_port
 
     return free_port()
 

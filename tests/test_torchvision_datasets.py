@@ -24,10 +24,10 @@ from dataset_files import BUILDERS, DatasetFiles, cifar10, svhn
 from test_torchvision_downloads import HANG_GUARD, _assert_clean_root, _finish, _local_members, _member_cmd, throttled
 from test_torchvision_downloads import SKEW as EXTRACTION_SKEW
 
-from nemo_safe import download_race
-from nemo_safe.download_race import read_results
-from nemo_safe.loopback_mirror import Faults
+from nemo_safe_tools.download_race import read_results
 
+from download_harness import run_spawn
+from faulty_mirror import Faults
 from procs import clean_env, torchrun_env
 
 NPROCS = 8
@@ -54,7 +54,7 @@ def _run_all(specs: list[DatasetFiles], base: Path, disable: bool) -> dict[str, 
             for spec, mirror in zip(specs, mirrors, strict=True)
         ]  # fmt: skip
         first, *rest = jobs
-        out = download_race.run_spawn(
+        out = run_spawn(
             NPROCS, Path(first["root"]), Path(first["results"]), first["mirror"], disable=disable, skew=SKEW,
             dataset=first["dataset"], attrs=specs[0].attrs, kwargs=specs[0].kwargs, then=rest, timeout=HANG_GUARD,
         )  # fmt: skip

@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI
 
-from nemo_safe import download_race
-from nemo_safe.download_race import MNIST_FILES, read_results, reference_digests
-from nemo_safe.loopback_mirror import Faults, LoopbackMirror
+from nemo_safe_tools import download_race
+from nemo_safe_tools.download_race import MNIST_FILES, read_results, reference_digests
 
+from download_harness import SCRIPT, run_spawn
+from faulty_mirror import Faults, FaultyMirror
 from procs import clean_env, torchrun_env
 
 MNIST_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
@@ -55,10 +56,8 @@ def reference(mnist: dict[str, bytes]) -> dict[str, str]:
     return reference_digests(mnist)
 
 
-def throttled(
-    files: dict[str, bytes], faults: Faults | None = None, seconds: float = DOWNLOAD_SECONDS
-) -> LoopbackMirror:
-    return LoopbackMirror(files, rate=download_race.rate_for(files, seconds), faults=faults)
+def throttled(files: dict[str, bytes], faults: Faults | None = None, seconds: float = DOWNLOAD_SECONDS) -> FaultyMirror:
+    return FaultyMirror(files, rate=download_race.rate_for(files, seconds), faults=faults)
 
 
 def _assert_clean_root(root: Path, dataset: str = "MNIST") -> None:
@@ -74,7 +73,7 @@ def _assert_raw_equals_original(root: Path, files: dict[str, bytes]) -> None:
         assert (raw / name[:-3]).read_bytes() == gzip.decompress(gz), name[:-3]
 
 
-def _assert_one_fetch_each(mirror: LoopbackMirror) -> None:
+def _assert_one_fetch_each(mirror: FaultyMirror) -> None:
     for name, s in mirror.stats().items():
         assert (s.requests, s.complete) == (1, 1), (name, s)
 
@@ -105,7 +104,7 @@ def test_spawn_before_init_process_group_with_start_skew(tmp_path: Path, mnist, 
     """mp.spawn with no init_process_group and no launcher variables: no rank is known, the leader is
     whoever creates the lock first; ranks arriving while the download runs wait for it."""
     with throttled(mnist) as mirror:
-        out = download_race.run_spawn(
+        out = run_spawn(
             8, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, skew=SKEW / 4, init=False,
             timeout=HANG_GUARD,
         )  # fmt: skip
@@ -145,7 +144,7 @@ def _member_cmd(root: Path, results: Path, gate: Path, mirror: str, *extra: str)
     results.mkdir(parents=True, exist_ok=True)
     gate.mkdir(parents=True, exist_ok=True)
     return [
-        "-m", "nemo_safe.download_race", "member", "--root", str(root), "--results", str(results),
+        SCRIPT, "member", "--root", str(root), "--results", str(results),
         "--gate", str(gate), "--mirror", mirror, *extra,
     ]  # fmt: skip
 
@@ -184,7 +183,7 @@ def test_srun_two_nodes_eight_tasks(slurm_cluster, tmp_path: Path, mnist, refere
 
 
 def _local_members(world: int, root: Path, results: Path, mirror: str, *extra: str, **env: str):
-    """``world`` member processes with torchrun-style variables (rank 0 is the preferred downloader)."""
+    """``world`` member processes with torchrun-style variables (whichever gets there first downloads)."""
     cmd = [sys.executable, *_member_cmd(root, results, results.with_name(results.name + "-gate"), mirror, *extra)]
     run_id = f"tv-{os.getpid()}-{time.monotonic_ns()}"
     return {

@@ -8,21 +8,11 @@ of the patched libraries.
 
 from __future__ import annotations
 
-import importlib
-
+from nemo_safe.lazy_attributes import module_getattr
 from nemo_safe.patching import Patch, deferred
 
-
-def __getattr__(name: str) -> object:
-    """A patch module on first use (``nemo_safe.patches.torch_hub``), also before its library is imported."""
-    if name.startswith("_"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+#: A patch module on first use (``nemo_safe.patches.torch_hub``), also before its library is imported.
+__getattr__ = module_getattr(__name__, globals())
 
 
 def _patch(module: str, name: str, implementation: str, apply: str, describe: str) -> Patch:

@@ -65,18 +65,6 @@ def warn_once(topic: str, message: str, *args: Any) -> None:
     log.warning(message, *args)
 
 
-def _trainer_world_size(trainer: Any) -> int:
-    return int(trainer.num_nodes) * int(trainer.num_devices)
-
-
-def _launcher_count_hint(ident: cluster_identity.ClusterIdentity) -> str:
-    if ident.launcher == "slurm":
-        return "srun --nodes x --ntasks-per-node (SLURM_STEP_NUM_TASKS / SLURM_NTASKS)"
-    if ident.launcher == "torchrun":
-        return "torchrun --nnodes x --nproc-per-node (WORLD_SIZE)"
-    return f"the {ident.launcher} launcher's task count"
-
-
 def meeting_dir(log_dir_parts: tuple[Any, ...], explicit_log_dir: Any) -> str:
     """The part of ``log_dir`` every rank computes alike: ``explicit_log_dir``, else ``exp_dir/name``."""
     log_dir, exp_dir, name = log_dir_parts[:3]
@@ -226,23 +214,13 @@ def resume_order_for(trainer: Any, is_global_rank_zero: Callable[[], bool], grac
     except ConfigurationError as exc:
         warn_once("launcher", "exp_manager: launcher variables unusable (%s); running as upstream NeMo does", exc)
         return None
-    world = _trainer_world_size(trainer)
-    if ident.launcher == "none" or not ident.is_multi_process or world == 1:
+    if ident.launcher == "none" or not ident.is_multi_process or int(trainer.num_nodes) * int(trainer.num_devices) == 1:
         return None  # one process, or independent one-device tasks of one step (a sweep): nothing to order
-    if world != ident.world_size:
-        warn_once(
-            "world",
-            "exp_manager: the trainer expects num_nodes=%s x devices=%s = %d processes but %s started %d (this is "
-            "rank %d), so nemo_safe cannot tell which ranks to wait for; running as upstream NeMo does. Make them "
-            "match: set devices to the tasks per node and num_nodes to the nodes, or change %s.",
-            trainer.num_nodes,
-            trainer.num_devices,
-            world,
-            ident.launcher,
-            ident.world_size,
-            ident.rank,
-            _launcher_count_hint(ident),
-        )
+    try:
+        ident.validate_settings(trainer.num_devices, trainer.num_nodes)
+    except ConfigurationError as exc:
+        warn_once("world", "exp_manager: %s. Until then nemo_safe cannot tell which ranks to wait for; running as "
+                  "upstream NeMo does.", exc)  # fmt: skip
         return None
     if is_global_rank_zero() != (ident.rank == 0):
         warn_once(

@@ -95,7 +95,7 @@ def single_flight_download(original: Callable[..., None]) -> Callable[..., None]
         directory = os.path.dirname(path)
         if not lock_folder_usable(directory):
             return original(url, dst, hash_prefix, progress)
-        # No head start for rank 0 (``preferred``): a rank that downloads a file rank 0 never asks for
+        # No head start for rank 0 (none of the flights gives one): a rank that downloads a file rank 0 never asks for
         # (its own shard, an evaluation on one rank) would wait for nothing.
         flight = SingleFlight(directory, flight_name(path), what=f"download of {url} to {path}")
         before = _stat_key(path)  # an existing file counts as done only once another process replaced it

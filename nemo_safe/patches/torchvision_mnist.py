@@ -9,8 +9,8 @@ truncated one left by a killed process crashes every later load. EMNIST even
 Here ``download`` is decorated as the upstream pull request decorates it
 (:mod:`nemo_safe.patches.torchvision_mnist_upstream`: ``_download_once``, the same
 code), with the overlay's ``_download_lock``: :class:`~nemo_safe.single_flight.SingleFlight`
-in ``root/<Class>/``. One process downloads and extracts (rank 0 preferred when
-a rank is known), the others wait and load. ``_check_exists`` also runs upstream's
+in ``root/<Class>/``. One process downloads and extracts (whichever gets there
+first: no head start for rank 0), the others wait and load. ``_check_exists`` also runs upstream's
 ``_is_complete_idx`` on each raw file (its size against its IDX header), so an
 invalid raw file is rebuilt by ``download=True`` instead of crashing at load.
 Whether every rank builds the dataset, whether the root is shared or node-local,
@@ -22,14 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from nemo_safe import cluster_identity
-from nemo_safe.errors import LeaderDeposed, NemoSafeError
+from nemo_safe.errors import LeaderDeposed
 from nemo_safe.patches import torchvision_mnist_upstream
 from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Replacements, SourceGate
@@ -75,21 +73,6 @@ def raw_files(dataset: Any) -> list[str]:
     ]
 
 
-def preferred_leader() -> bool | None:
-    """True on the process that should download (rank 0, or local rank 0 for node-local roots),
-    False on the others, None when no rank is known (then every process has an equal chance)."""
-    try:
-        ident = cluster_identity.detect()
-    except NemoSafeError:
-        return None  # inconsistent launcher variables: correctness never depended on the preference
-    if ident.launcher != "none":
-        return ident.rank == 0 or ident.local_rank == 0
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return None
-
-
 def shared_functions(mnist: ModuleType) -> dict[str, Callable[..., Any]]:
     """The upstream functions of :data:`SHARED`, running in ``mnist`` with the overlay's ``_download_lock``."""
     return run_in(torchvision_mnist_upstream, mnist, SHARED, {"_download_lock": download_lock})
@@ -98,13 +81,13 @@ def shared_functions(mnist: ModuleType) -> dict[str, Callable[..., Any]]:
 @contextlib.contextmanager
 def download_lock(folder: str) -> Iterator[None]:
     """Upstream's ``_download_lock``, as :meth:`SingleFlight.hold <nemo_safe.single_flight.SingleFlight.hold>`
-    in ``folder``: the block runs in the process that leads (rank 0 preferred); the others return once the
+    in ``folder``: the block runs in the process that leads (the first to get there); the others return once the
     dataset's ``_check_exists()`` holds (the block then skips the download) or raise the leader's error
     (:class:`~nemo_safe.errors.LeaderFailed`). The dataset is the one whose ``download()`` runs in this thread."""
     dataset = _downloading.dataset
     folder = os.path.abspath(folder)
     what = f"{type(dataset).__name__} download into {folder}"
-    with SingleFlight(folder, "download", what=what, preferred=preferred_leader()).hold(dataset._check_exists):
+    with SingleFlight(folder, "download", what=what).hold(dataset._check_exists):
         yield
 
 

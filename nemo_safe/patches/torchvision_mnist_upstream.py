@@ -9,7 +9,7 @@ their ``_check_exists`` call ``_is_complete_idx`` instead of ``check_integrity``
 The overlay (:mod:`nemo_safe.patches.torchvision_mnist`) runs the same two functions with
 ``torchvision.datasets.mnist``'s globals, as they run there upstream, except that the
 ``_download_lock`` that ``_download_once`` calls by name is the overlay's: a
-:class:`~nemo_safe.single_flight.SingleFlight` (heartbeat, rank 0 preferred, the leader's
+:class:`~nemo_safe.single_flight.SingleFlight` (heartbeat, takeover, the leader's
 failure reaching every waiter) instead of upstream's lock file
 (:func:`nemo_safe.patches.torchvision_upstream._download_lock`).
 """

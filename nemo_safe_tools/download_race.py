@@ -1,13 +1,14 @@
-"""The torchvision download race, upstream vs nemo_safe: the member processes and the side-by-side run.
+"""The torchvision download race of ``nemo-safe demo``, upstream vs nemo_safe, side by side.
 
-Every member builds ``MNIST(root, download=True)`` against a throttled
-:class:`~nemo_safe.loopback_mirror.LoopbackMirror` at the same moment, as the
-PyTorch FSDP tutorial does on every rank. ``spawn`` starts the members with
-``torch.multiprocessing.spawn`` and releases them together through a gloo
-``init_process_group`` + ``barrier`` (no launcher variables at all); ``member``
-is one rank under srun / torchrun / local launcher variables, released by a
-file gate. Each member writes ``<results>/<rank>.json``: status, error, and the
-sha256 of the loaded tensors, which the caller compares with the reference.
+Every rank builds ``MNIST(root, download=True)`` against a throttled
+:class:`~nemo_safe_tools.loopback_mirror.LoopbackMirror` at the same moment, as the
+PyTorch FSDP tutorial does on every rank: ``python -m nemo_safe_tools.download_race``
+starts the ranks with ``torch.multiprocessing.spawn`` and releases them together
+through a gloo ``init_process_group`` + ``barrier`` (no launcher variables at all).
+Each rank writes ``<results>/<rank>.json``: status, error, and the sha256 of the
+loaded tensors, which the caller compares with the reference. The tests' harness
+(``tests/download_harness.py``) builds on this one: other datasets, members under
+srun / torchrun, further races in one spawn.
 
 ``nemo-safe demo`` uses synthetic data in the MNIST file format (this machine
 may have no internet and the real files are not ours to ship); the tests use
@@ -26,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,21 +72,11 @@ def reference_digests(files: dict[str, bytes], train: bool = True) -> dict[str, 
     return {"data_sha": hashlib.sha256(img[16:]).hexdigest(), "targets_sha": hashlib.sha256(lab[8:]).hexdigest()}
 
 
-def build(
-    dataset: str,
-    root: str,
-    mirror: str,
-    resources: list[tuple[str, str]] | None,
-    attrs: dict[str, Any] | None = None,
-    kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Build the dataset with download=True from ``mirror``; digests of what was loaded.
-    ``attrs`` overrides class attributes (a test's own files and md5s, e.g. CIFAR10's lists; ``{mirror}``
-    in a string, also inside lists and dicts, becomes the mirror's URL); ``kwargs`` go to the
-    constructor (EMNIST's ``split``). ``train=True`` is passed where the class takes it."""
+def load(dataset: str, root: str, mirror: str, resources: list[tuple[str, str]] | None, **kwargs: Any) -> Any:
+    """``datasets.<dataset>(root, download=True, **kwargs)`` downloading from ``mirror``; ``resources`` (if
+    given) replaces the class's list of (file, md5); ``train=True`` is passed where the class takes it."""
     import inspect
 
-    import numpy as np
     import torchvision.datasets as datasets
 
     cls = getattr(datasets, dataset)
@@ -93,89 +84,73 @@ def build(
         cls.mirrors = [mirror]
     if resources is not None:
         cls.resources = [tuple(r) for r in resources]
-    for name, value in (attrs or {}).items():
-        setattr(cls, name, _with_mirror(value, mirror))
-    kwargs = dict(kwargs or {})
     if "train" in inspect.signature(cls.__init__).parameters:
         kwargs.setdefault("train", True)
-    ds = cls(root, download=True, **kwargs)
-    if hasattr(ds, "data") and hasattr(ds, "targets"):  # the MNIST family, CIFAR
-        data = np.ascontiguousarray(np.asarray(ds.data))
-        targets = np.asarray(ds.targets).astype(np.uint8)
-        return {
-            "data_sha": hashlib.sha256(data.tobytes()).hexdigest(),
-            "targets_sha": hashlib.sha256(targets.tobytes()).hexdigest(),
-            "items": len(ds),
-        }
-    return item_digests(ds)
+    return cls(root, download=True, **kwargs)
 
 
-def item_digests(ds: Any) -> dict[str, Any]:
-    """For datasets without ``.data``: :func:`digests_of_items` over every (image, target) it loads."""
-    return {**digests_of_items(ds[index] for index in range(len(ds))), "items": len(ds)}
-
-
-def digests_of_items(items: Iterable[tuple[Any, Any]]) -> dict[str, str]:
-    """sha256 over every item's (image pixels, target), in any order (the order of some datasets follows
-    a directory listing), and over the targets alone; a test computes the reference from its own arrays."""
+def data_digests(ds: Any) -> dict[str, Any]:
+    """sha256 of what a dataset with ``.data`` and ``.targets`` (the MNIST family, CIFAR) loaded."""
     import numpy as np
 
-    per_item, targets = [], []
-    for image, target in items:
-        pixels = np.ascontiguousarray(np.asarray(image)).tobytes()
-        per_item.append(hashlib.sha256(pixels + b"|" + repr(target).encode()).hexdigest())
-        targets.append(repr(target))
+    data = np.ascontiguousarray(np.asarray(ds.data))
+    targets = np.asarray(ds.targets).astype(np.uint8)
     return {
-        "data_sha": hashlib.sha256("".join(sorted(per_item)).encode()).hexdigest(),
-        "targets_sha": hashlib.sha256("\n".join(sorted(targets)).encode()).hexdigest(),
+        "data_sha": hashlib.sha256(data.tobytes()).hexdigest(),
+        "targets_sha": hashlib.sha256(targets.tobytes()).hexdigest(),
+        "items": len(ds),
     }
 
 
-def _with_mirror(value: Any, mirror: str) -> Any:
-    if isinstance(value, str):
-        return value.replace("{mirror}", mirror)
-    if isinstance(value, list):
-        return [_with_mirror(v, mirror) for v in value]
-    if isinstance(value, dict):
-        return {k: _with_mirror(v, mirror) for k, v in value.items()}
-    return value
+def build(dataset: str, root: str, mirror: str, resources: list[tuple[str, str]] | None) -> dict[str, Any]:
+    """:func:`load` the dataset; the digests of what it loaded."""
+    return data_digests(load(dataset, root, mirror, resources))
 
 
-def _attempt(rank: int, args: argparse.Namespace) -> None:
+def build_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """What one member loads, from its command line."""
+    return build(args.dataset, args.root, args.mirror, json.loads(args.resources) if args.resources else None)
+
+
+Build = Callable[[argparse.Namespace], dict[str, Any]]
+
+
+def attempt(rank: int, args: argparse.Namespace, build: Build = build_from_args) -> None:
+    """One member's try: ``build(args)``, timed; writes ``<results>/<rank>.json`` (status, error, digests)."""
     import nemo_safe  # noqa: F401  (patches torchvision unless NEMO_SAFE_DISABLE=1)
 
-    resources = json.loads(args.resources) if args.resources else None
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "status": "ok", "started": time.time()}
     started = time.monotonic()
     try:
-        attrs = json.loads(args.attrs) if args.attrs else None
-        kwargs = json.loads(args.kwargs) if args.kwargs else None
-        result.update(build(args.dataset, args.root, args.mirror, resources, attrs, kwargs))
+        result.update(build(args))
     except Exception as exc:
         result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:2000])
     result["seconds"] = time.monotonic() - started
     Path(args.results, f"{rank}.json").write_text(json.dumps(result))
 
 
-def _spawned(index: int, args: argparse.Namespace) -> None:
-    # nemo_safe before torchvision here (members import it after): both import orders run.
+def import_first() -> None:
+    """nemo_safe before torchvision here (members import it after): both import orders run; torchvision
+    before the release, so that the start skew is exactly the one asked for."""
     importlib.import_module("nemo_safe")  # a no-op with NEMO_SAFE_DISABLE=1
-    import torch.distributed as dist
-    import torchvision.datasets  # noqa: F401  (before the release, so the start skew is exactly the one asked for)
+    importlib.import_module("torchvision.datasets")
 
-    if not args.init:
-        # mp.spawn before init_process_group: no rank is known anywhere (no variables, no process group).
-        time.sleep(index * args.skew)
-        _attempt(index, args)
-        return
+
+def spawned(
+    index: int, args: argparse.Namespace, jobs: Sequence[dict[str, Any]] = (), build: Build = build_from_args
+) -> None:
+    """One rank of ``torch.multiprocessing.spawn``: released with the others by a gloo process group's
+    barrier, then ``index * skew`` s later its :func:`attempt`; ``jobs`` are further races after the same
+    barrier, each overriding some of ``args``, so that one spawn (whose start-up is slow) serves several."""
+    import_first()
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=index, world_size=args.nprocs)
     try:
-        # --then: further datasets, each a fresh race (its own root, results and mirror) after the same barrier,
-        # so that one spawn (whose start-up dominates a test) serves several.
-        for job in [{}, *json.loads(args.then or "[]")]:
+        for job in [{}, *jobs]:
             dist.barrier()  # released together, like the ranks of the FSDP tutorial
             time.sleep(index * args.skew)
-            _attempt(index, argparse.Namespace(**{**vars(args), **job}))
+            attempt(index, argparse.Namespace(**{**vars(args), **job}), build)
     finally:
         dist.destroy_process_group()
 
@@ -186,9 +161,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def read_results(results: Path) -> dict[int, dict[str, Any]]:
+def read_results(results: Path, pattern: str = "*.json") -> dict[int, dict[str, Any]]:
+    """The results in ``results`` (files matching ``pattern``, each with its ``rank``), by rank."""
     out = {}
-    for path in results.glob("*.json"):
+    for path in results.glob(pattern):
         res = json.loads(path.read_text())
         out[res["rank"]] = res
     return out
@@ -234,41 +210,24 @@ def run_spawn(
     *,
     disable: bool,
     skew: float = 0.0,
-    init: bool = True,
     resources: Any = None,
     dataset: str = "MNIST",
-    attrs: dict[str, Any] | None = None,
-    kwargs: dict[str, Any] | None = None,
-    then: list[dict[str, Any]] | None = None,
+    extra: Sequence[str] = (),
+    program: Sequence[str] = ("-m", "nemo_safe_tools.download_race"),
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m nemo_safe.download_race spawn``: ``nprocs`` ranks by torch.multiprocessing.spawn.
-    ``then``: further races in the same processes, each a dict of ``root``, ``results``, ``mirror``,
-    ``dataset``, ``attrs`` and ``kwargs`` (see ``--then``)."""
+    """``python -m nemo_safe_tools.download_race``: ``nprocs`` ranks by torch.multiprocessing.spawn.
+    ``program`` and ``extra``: another harness built on this one, and its own options."""
     from nemo_safe.cluster_identity import without_launchers
 
     results.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "nemo_safe.download_race", "spawn",
+        sys.executable, *program,
         "--nprocs", str(nprocs), "--root", str(root), "--results", str(results), "--mirror", mirror,
-        "--port", str(free_port()), "--skew", str(skew), "--dataset", dataset,
+        "--port", str(free_port()), "--skew", str(skew), "--dataset", dataset, *extra,
     ]  # fmt: skip
-    if attrs is not None:
-        cmd += ["--attrs", json.dumps(attrs)]
-    if kwargs is not None:
-        cmd += ["--kwargs", json.dumps(kwargs)]
     if resources is not None:
         cmd += ["--resources", json.dumps(resources)]
-    if then:
-        if not init:
-            raise ValueError("then= needs init=True: the races are lined up by the process group's barrier")
-        jobs = [{k: json.dumps(v) if k in ("attrs", "kwargs") and not isinstance(v, str) else v
-                 for k, v in job.items()} for job in then]  # fmt: skip
-        for job in jobs:
-            Path(job["results"]).mkdir(parents=True, exist_ok=True)
-        cmd += ["--then", json.dumps(jobs)]
-    if not init:
-        cmd.append("--no-init")
     env = {**without_launchers(os.environ), "NEMO_SAFE_DISABLE": "1" if disable else "0"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -288,7 +247,7 @@ def compare(
     rank i+1 truncates the file while rank i downloads it, and at rank i's md5 check the
     bytes between rank i+1's progress and rank i's offset at the truncation were written by nobody.
     """
-    from nemo_safe.loopback_mirror import LoopbackMirror
+    from nemo_safe_tools.loopback_mirror import LoopbackMirror
 
     files = files or synthetic_mnist()
     resources = resources_of(files)
@@ -331,42 +290,26 @@ def format_table(outcomes: list[Outcome], nprocs: int, download_seconds: float, 
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nemo_safe.download_race")
-    p.add_argument("mode", choices=["spawn", "member"])
+def arguments() -> argparse.ArgumentParser:
+    """The options of one race (a parent parser: a harness built on this one adds its own)."""
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--root", required=True)
     p.add_argument("--results", required=True)
     p.add_argument("--mirror", required=True)
     p.add_argument("--dataset", default="MNIST")
     p.add_argument("--resources", help="JSON list of [file, md5] replacing the dataset's resources")
-    p.add_argument("--attrs", help="JSON object of class attributes to set ({mirror} is replaced by --mirror)")
-    p.add_argument("--kwargs", help="JSON object of extra constructor arguments")
     p.add_argument("--nprocs", type=int, default=8)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--skew", type=float, default=0.0, help="rank i starts i*skew seconds after the others")
-    p.add_argument("--no-init", dest="init", action="store_false", help="spawn: no init_process_group at all")
-    p.add_argument("--node-local", action="store_true", help="member: use <root>/node<node rank> as the root")
-    p.add_argument("--gate", help="member: a shared directory where all ranks line up first")
-    p.add_argument("--then", help="spawn: JSON list of further races (objects overriding --root, --results, ...)")
-    args = p.parse_args(argv)
-    if args.mode == "spawn":
-        import torch.multiprocessing as mp
+    return p
 
-        mp.spawn(_spawned, args=(args,), nprocs=args.nprocs, join=True)
-        return 0
-    from nemo_safe import cluster_identity
 
-    ident = cluster_identity.detect()
-    if args.gate:
-        import torchvision.datasets  # noqa: F401  (line up after the slow imports)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nemo_safe_tools.download_race", parents=[arguments()])
+    args = parser.parse_args(argv)
+    import torch.multiprocessing as mp
 
-        from nemo_safe.demo import start_gate
-
-        start_gate(Path(args.gate), ident.rank, ident.world_size, "imported")
-    time.sleep(ident.rank * args.skew)
-    if args.node_local:
-        args.root = os.path.join(args.root, f"node{ident.node_rank}")
-    _attempt(ident.rank, args)
+    mp.spawn(spawned, args=(args,), nprocs=args.nprocs, join=True)
     return 0
 
 

@@ -13,9 +13,10 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from nemo_safe import __version__, cluster_identity, patching, platform_support, selftest
+from nemo_safe import __version__, cluster_identity, patching, platform_support
 from nemo_safe.errors import NemoSafeError
-from nemo_safe.mounts import filesystem_type
+from nemo_safe_tools import selftest
+from nemo_safe_tools.mounts import filesystem_type
 
 #: Distributions whose versions doctor reports (from their metadata), with the module each provides:
 #: when doctor's imports brought that module in, its ``__version__`` is checked against the metadata.
@@ -49,7 +50,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from nemo_safe import demo
+    from nemo_safe_tools import demo
 
     if args.member:
         result = demo.run_member(Path(args.log_dir), Path(args.side), args.devices, args.nodes, args.rank0_delay)
@@ -73,7 +74,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 )
                 print(demo.format_table(where, variants, world, args.old_files, args.rank0_delay) + "\n", flush=True)
             else:
-                from nemo_safe import download_race
+                from nemo_safe_tools import download_race
 
                 outcomes = download_race.compare(Path(tmp), args.download_ranks, DEMO_DOWNLOAD_SECONDS, DEMO_SKEW)
                 table = download_race.format_table(outcomes, args.download_ranks, DEMO_DOWNLOAD_SECONDS, DEMO_SKEW)

@@ -15,11 +15,12 @@ import tempfile
 import time
 from typing import Any
 
-from nemo_safe import cluster_identity, local_ranks
+from nemo_safe import cluster_identity
 from nemo_safe.atomic_files import publish, read_if_exists, unlink_if_exists
 from nemo_safe.barrier import rank_zero_first
 from nemo_safe.errors import NemoSafeError
-from nemo_safe.mounts import filesystem_type
+from nemo_safe_tools import local_ranks
+from nemo_safe_tools.mounts import filesystem_type
 
 REPORT_PREFIX = "NEMO_SAFE_SELFTEST_REPORT "
 
@@ -111,7 +112,7 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
         args = [
             sys.executable,
             "-m",
-            "nemo_safe.cli",
+            "nemo_safe_tools.cli",
             "selftest",
             "--dir",
             target,

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_safe import cluster_identity, local_ranks
+from nemo_safe import cluster_identity
 from nemo_safe.errors import NemoSafeError
+from nemo_safe_tools import download_race, local_ranks
 
 RESULT_PREFIX = "result."
 OLD_PREFIX = "old_"
@@ -132,11 +133,7 @@ def write_result(side: Path, result: dict[str, Any]) -> None:
 
 def read_results(side: Path) -> dict[int, dict[str, Any]]:
     """The results the ranks of one run wrote with :func:`write_result`, by rank."""
-    results = {}
-    for path in side.glob(f"{RESULT_PREFIX}*.json"):
-        res = json.loads(path.read_text())
-        results[res["rank"]] = res
-    return results
+    return download_race.read_results(side, f"{RESULT_PREFIX}*.json")
 
 
 @dataclass
@@ -187,7 +184,7 @@ def run(
         member = [
             sys.executable,
             "-m",
-            "nemo_safe.cli",
+            "nemo_safe_tools.cli",
             "demo",
             "--member",
             "--log-dir",

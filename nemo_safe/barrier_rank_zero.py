@@ -1,0 +1,257 @@
+"""The barrier's rank 0: open a session, gather the other ranks (or not), publish the outcome, keep
+accepting late ranks and clean up in the background (see :mod:`nemo_safe.barrier`)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from nemo_safe.barrier_channels import Arrival
+from nemo_safe.barrier_state import published_before_start, ranges
+from nemo_safe.errors import BarrierTimeout, ConfigurationError
+from nemo_safe.records import new_nonce
+from nemo_safe.waiting import POLL_MIN, Backoff, Progress
+
+if TYPE_CHECKING:
+    from nemo_safe.barrier import Barrier
+
+log = logging.getLogger("nemo_safe.barrier")
+
+#: Rank 0 is the only lister, so it can afford to poll this much faster than the waiters.
+RANK0_POLL_SPEEDUP = 5.0
+#: Rank 0 republishes its state this often while it works (a sign of life for the waiters).
+RANK0_HEARTBEAT = 2.0
+CLEANUP_GRACE_AT_EXIT = 10.0
+
+#: Background threads of rank 0 (heartbeat, late acceptance, clean-up); stopped and joined at exit,
+#: so that none is still inside a store client while the interpreter shuts down.
+_threads: list[threading.Thread] = []
+_stopping = threading.Event()
+#: Stop signals of rank 0's heartbeats, set at exit (a rank 0 that exits without releasing).
+_heartbeat_stops: set[threading.Event] = set()
+
+
+def _start_thread(target: Any, name: str, *args: Any) -> threading.Thread:
+    def body() -> None:
+        try:
+            target(*args)
+        finally:
+            try:
+                _threads.remove(threading.current_thread())
+            except ValueError:
+                pass
+
+    thread = threading.Thread(target=body, daemon=True, name=name)
+    _threads.append(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _finish_threads() -> None:
+    """Late acceptance stops at once (publishing the outcome as final); clean-up gets a short grace."""
+    _stopping.set()
+    for stop in list(_heartbeat_stops):
+        stop.set()
+    deadline = time.monotonic() + CLEANUP_GRACE_AT_EXIT
+    for thread in list(_threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class RankZero:
+    """Rank 0's side of one :class:`~nemo_safe.barrier.Barrier`."""
+
+    def __init__(self, barrier: Barrier, open_session: bool) -> None:
+        self.b = barrier
+        self.open = open_session
+        self.session = ""
+        self.accepted: dict[int, Arrival] = {}
+        self.rejected: dict[str, str] = {}
+        self._heartbeat: tuple[threading.Event, threading.Thread] | None = None
+
+    def publish_state(self, phase: str, **extra: Any) -> None:
+        b = self.b
+        body = {"v": 1, "phase": phase, "session": self.session, "name": b.name, "world_size": b.world_size,
+                "attempt_unique": b.attempt_unique, "rank0": {"host": b.host, "pid": os.getpid(), "nonce": b.nonce},
+                "time": time.time(), **extra}  # fmt: skip
+        b.channel.publish_state(body)
+
+    def start(self) -> None:
+        b = self.b
+        b.channel.prepare()
+        if b.attempt_unique:
+            claim = {"host": b.host, "pid": os.getpid(), "nonce": b.nonce, "time": time.time()}
+            other = b.channel.claim_leader(claim)
+            if other is not None and published_before_start(other):
+                # Rank 0 of an earlier run inside the same job step (a retry loop): gone before we started.
+                b.channel.replace_leader(claim)
+            elif other is not None:
+                raise ConfigurationError(
+                    f"{b.where()}: two processes claim rank 0 of this attempt: this one (host {b.host}, "
+                    f"pid {os.getpid()}) and host {other.get('host')} pid {other.get('pid')}, which got there "
+                    "first. Only one may move files; check the launcher variables (SLURM_PROCID / RANK)."
+                )
+        self.session = new_nonce()
+        self.publish_state("collect")
+        stop = threading.Event()
+        _heartbeat_stops.add(stop)
+        thread = _start_thread(self._beat, f"nemo_safe-barrier-beat-{b.name}", stop)
+        self._heartbeat = (stop, thread)
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Republish the collecting state with a growing beat until :meth:`release`."""
+        n = 0
+        try:
+            while not stop.wait(RANK0_HEARTBEAT):
+                n += 1
+                try:
+                    self.publish_state("collect", beat=n)
+                except Exception as exc:  # one failed write (a failover): the next beat may get through
+                    log.debug("%s: heartbeat %d not published: %s", self.b.where(), n, exc)
+        finally:
+            _heartbeat_stops.discard(stop)
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            stop, thread = self._heartbeat
+            stop.set()
+            thread.join()
+            self._heartbeat = None
+
+    def scan(self) -> dict[int, Arrival]:
+        """The arrivals answering this session, by rank (one per rank: the accepted one, or among
+        new ones the lowest nonce; a second claimant is an error in gather mode)."""
+        b, found = self.b, dict(self.accepted)
+        for arrival in sorted(b.channel.arrivals(self.session), key=lambda a: a.nonce):
+            if arrival.rank in found or arrival.nonce in self.rejected:
+                other = found.get(arrival.rank)
+                if other is not None and other.nonce != arrival.nonce and not self.open:
+                    raise ConfigurationError(
+                        f"{b.where()}: two processes claim rank {arrival.rank} ({b.channel.describe(other)} "
+                        f"and {b.channel.describe(arrival)}); check the launcher variables (SLURM_PROCID / RANK) "
+                        "of this job"
+                    )
+                continue
+            problem = self._problem(arrival)
+            if problem and not self.open:
+                raise ConfigurationError(f"{b.where()}: {problem}")
+            if problem:
+                self.rejected[arrival.nonce] = problem
+                continue
+            found[arrival.rank] = arrival
+        return found
+
+    def _problem(self, arrival: Arrival) -> str | None:
+        b = self.b
+        if arrival.world_size != b.world_size:
+            return (
+                f"rank {arrival.rank} ({b.channel.describe(arrival)}) uses world size {arrival.world_size} but "
+                f"rank 0 uses {b.world_size}; every rank must agree (check devices x num_nodes against the launcher)"
+            )
+        if not 0 < arrival.rank < b.world_size:
+            where = b.channel.describe(arrival)
+            return f"a process on {where} claims rank {arrival.rank}, outside world size {b.world_size}"
+        return None
+
+    def gather(self) -> None:
+        """Wait until every other rank has answered; whatever ends the wait early (a failing read
+        included) is published as rank 0's outcome and stops its heartbeat, so that no waiter goes
+        on waiting for a rank 0 that left."""
+        try:
+            self._gather()
+        except BaseException as exc:
+            try:
+                self.release(exc)
+            except Exception as release_error:  # the records are unreachable too: the waiters time out
+                log.warning("%s: could not publish rank 0's failure: %s", self.b.where(), release_error)
+            raise
+
+    def _gather(self) -> None:
+        b, progress = self.b, Progress()
+        backoff = Backoff(max(POLL_MIN, b.poll_max / RANK0_POLL_SPEEDUP))
+        deadline = time.monotonic() + b.timeout
+        while True:
+            arrived = self.scan()
+            if len(arrived) == b.world_size - 1:
+                self.accepted = arrived
+                return
+            missing = ranges([r for r in range(1, b.world_size) if r not in arrived])
+            if time.monotonic() >= deadline:
+                hosts = sorted({b.channel.describe(a).split(" pid")[0] for a in arrived.values()})
+                self.accepted = arrived
+                raise BarrierTimeout(
+                    f"{b.where()}: rank 0 waited {b.timeout:.0f} s but ranks {missing} never arrived "
+                    f"({len(arrived) + 1} of {b.world_size} did, from {', '.join(hosts) or 'no other host'}). "
+                    "Those processes died or never started, or the world size is wrong (compare devices x "
+                    "nodes with the launcher's task count)."
+                )
+            if progress.due():
+                log.info("nemo_safe: rank 0 waiting at %s: %d of %d ranks arrived, missing %s (%.0f s of %.0f s)",
+                         b.where(), len(arrived) + 1, b.world_size, missing, progress.elapsed, b.timeout)  # fmt: skip
+            backoff.sleep(deadline)
+
+    def release(self, error: BaseException | None, payload: dict[str, Any] | None = None) -> None:
+        self._stop_heartbeat()
+        outcome: dict[str, Any] = {"ok": error is None, "payload": payload or {}}
+        if error is not None:
+            outcome["error_type"], outcome["error"] = type(error).__name__, str(error)
+        if self.open:
+            self.accepted = self.scan()
+        accepting = self.open and len(self.accepted) < self.b.world_size - 1
+        self._publish_outcome(outcome, accepting)
+        if error is not None and not accepting:
+            # Keep the failure visible so that ranks arriving late stop with rank 0's
+            # reason instead of timing out; the next attempt replaces it.
+            return
+        _start_thread(self._finish, f"nemo_safe-barrier-{self.b.name}", outcome, accepting)
+
+    def _publish_outcome(self, outcome: dict[str, Any], accepting: bool) -> None:
+        accepted = {str(r): a.nonce for r, a in self.accepted.items()}
+        self.publish_state("done", accepted=accepted, rejected=dict(self.rejected), accepting=accepting, **outcome)
+
+    def _finish(self, outcome: dict[str, Any], accepting: bool) -> None:
+        """Accept ranks that answer late (after ``open``), then wait until every accepted rank has
+        marked the outcome taken and remove what rank 0 created."""
+        b = self.b
+        backoff = Backoff(max(b.poll_max, 0.25))
+        deadline = time.monotonic() + b.timeout
+        try:
+            if accepting and not self._accept_late(outcome, backoff, deadline):
+                return
+            if not outcome["ok"] or not b.channel.needs_cleanup:
+                return
+            # Files only (no store client here), so at exit this goes on for the short join grace.
+            everyone = set(range(1, b.world_size))
+            while not everyone <= b.channel.taken_ranks(self.session):
+                if time.monotonic() >= deadline:
+                    log.debug("%s: not every rank took the outcome; leaving the records", b.where())
+                    return
+                backoff.sleep(deadline)
+            b.channel.remove(b.keep_parent)
+        except Exception as exc:  # a store gone with its agent, a directory removed: nothing left to do
+            log.debug("%s: background acceptance/clean-up stopped: %s", b.where(), exc)
+
+    def _accept_late(self, outcome: dict[str, Any], backoff: Backoff, deadline: float) -> bool:
+        """Accept ranks answering after the outcome; True once every rank is accounted for."""
+        b, accepting = self.b, True
+        while accepting and time.monotonic() < deadline:
+            stopping = _stopping.wait(backoff.delay(deadline))  # at exit: one last look, then final
+            before = len(self.accepted)
+            self.accepted = self.scan()
+            accounted = set(self.accepted) | b.channel.taken_ranks(self.session)  # took it unlisted
+            accepting = len(accounted) < b.world_size - 1
+            if stopping or not accepting or len(self.accepted) != before:
+                self._publish_outcome(outcome, accepting and not stopping)
+            if stopping and accepting:
+                return False  # this process exits with ranks missing: the outcome stands as published
+        if accepting:
+            missing = ranges([r for r in range(1, b.world_size) if r not in self.accepted])
+            log.warning("nemo_safe: %s: ranks %s never answered within %.0f s; later arrivals get rank 0's "
+                        "outcome as it is", b.where(), missing, b.timeout)  # fmt: skip
+            self._publish_outcome(outcome, accepting=False)
+            return False
+        return True

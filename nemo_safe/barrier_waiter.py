@@ -1,0 +1,212 @@
+"""The barrier's non-zero ranks: answer rank 0's session, wait for its outcome, and tell
+an outcome of this attempt from one an earlier attempt left behind (see :mod:`nemo_safe.barrier`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from nemo_safe.barrier_channels import Arrival
+from nemo_safe.barrier_state import (
+    PRESENCE,
+    Outcome,
+    published_before_start,
+    published_since_start,
+    ranges,
+    valid_state,
+)
+from nemo_safe.errors import BarrierTimeout, ConfigurationError, NemoSafeError, RankZeroAbsent
+from nemo_safe.waiting import Backoff, Progress
+
+if TYPE_CHECKING:
+    from nemo_safe.barrier import Barrier
+
+log = logging.getLogger("nemo_safe.barrier")
+
+#: Waiters outlast rank 0's timeout by this much so that they hear its verdict.
+WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
+
+
+class Waiter:
+    """One call of :meth:`Barrier.wait <nemo_safe.barrier.Barrier.wait>` on a non-zero rank."""
+
+    def __init__(self, barrier: Barrier, grace: float | None) -> None:
+        self.b = barrier
+        self.grace = grace
+        self.progress = Progress()
+        self.backoff = Backoff(barrier.poll_max)
+        self.deadline = time.monotonic() + barrier.timeout
+        self.answered: dict[str, Arrival] = {}
+        self.collecting_seen: set[str] = set()
+        self.last: dict[str, Any] | None = None
+        self.alive: tuple[Any, Any] | None = None  # rank 0's (session, beat) last seen
+        self.foreign_state: str | None = None  # what a malformed state looked like, for the error
+
+    def wait(self) -> Outcome:
+        b = self.b
+        b.channel.check_safe()
+        presence = None
+        if self.grace is not None:
+            b.channel.prepare()
+            presence = self._arrive(PRESENCE)
+        try:
+            while True:
+                b.polls += 1
+                state = self._read_valid_state()
+                outcome = self._take(state) if state is not None else None
+                if outcome is not None:
+                    return outcome
+                self._check_rank_zero_present()
+                if time.monotonic() >= self.deadline:
+                    b.channel.check_safe()
+                    raise BarrierTimeout(self._timeout_message())
+                if self.progress.due():
+                    log.info("nemo_safe: rank %d waiting for rank 0 at %s (%.0f s of %.0f s)",
+                             b.rank, b.where(), self.progress.elapsed, b.timeout)  # fmt: skip
+                grace_end = self.progress.start + self.grace if self.grace is not None else self.deadline
+                self.backoff.sleep(min(self.deadline, grace_end))
+        finally:
+            self._withdraw()
+            if presence is not None:
+                b.channel.withdraw(presence)
+
+    def _take(self, state: dict[str, Any]) -> Outcome | None:
+        """Follow one state read: extend the deadline while rank 0 beats, answer a new session, and
+        return this attempt's outcome once it is published (raising rank 0's failure)."""
+        b = self.b
+        if (state.get("session"), state.get("beat")) != self.alive:
+            if self.alive is not None:  # rank 0 is alive and working: the timeout counts silence
+                self.deadline = max(self.deadline, time.monotonic() + b.timeout)
+            self.alive = (state.get("session"), state.get("beat"))
+        self.last = state
+        if not published_before_start(state):
+            self.grace = None  # rank 0 showed up here (not a record older than this process): wait
+        session = str(state.get("session", ""))
+        if state.get("phase") == "collect":
+            self.collecting_seen.add(session)
+        if session and session not in self.answered and self._answers(state):
+            self._withdraw()
+            self.answered[session] = self._arrive(session)
+            self.backoff.reset()
+            # Outlast rank 0's own timeout (it started about now), so that its
+            # verdict naming the missing ranks reaches us before we give up.
+            self.deadline = max(self.deadline, time.monotonic() + b.timeout + self._grace())
+        if state.get("phase") != "done":
+            return None
+        outcome = self._outcome_for_me(state)
+        if outcome is not None:
+            if outcome.ok and b.channel.needs_cleanup:
+                b.channel.mark_taken(str(state.get("session")), b.rank, b.nonce)
+            outcome.raise_if_failed(b.where(), b.rank)
+        return outcome
+
+    def _check_rank_zero_present(self) -> None:
+        """After the grace without rank 0: raise :class:`RankZeroAbsent` unless every other rank is here."""
+        if self.grace is None or self.progress.elapsed < self.grace:
+            return
+        present = {a.rank for a in self.b.channel.arrivals(PRESENCE)}
+        if len(present) < self.b.world_size - 1:
+            raise RankZeroAbsent(self._absent_message(present))
+        self.grace = None  # every other rank is here: rank 0 is late, wait for it
+
+    def _read_valid_state(self) -> dict[str, Any] | None:
+        state = self.b.channel.read_state()
+        if state is None or valid_state(state):
+            return state
+        if self.foreign_state is None:
+            self.foreign_state = repr(state)[:200]
+            log.warning("nemo_safe: %s: ignoring a state record nemo_safe did not write: %s", self.b.where(),
+                        self.foreign_state)  # fmt: skip
+        return None
+
+    @staticmethod
+    def _answers(state: dict[str, Any]) -> bool:
+        """Answer a session that is collecting, or done but still accepting late ranks."""
+        return state.get("phase") == "collect" or bool(state.get("accepting"))
+
+    def _grace(self) -> float:
+        return max(WAITER_GRACE_MIN, WAITER_GRACE_POLLS * self.b.poll_max)
+
+    def _arrive(self, session: str) -> Arrival:
+        b = self.b
+        arrival = Arrival(session, b.rank, b.world_size, b.nonce)
+        body = {"rank": b.rank, "host": b.host, "pid": os.getpid(), "nonce": b.nonce, "session": session,
+                "world_size": b.world_size, "time": time.time()}  # fmt: skip
+        b.channel.arrive(arrival, body)
+        return arrival
+
+    def _withdraw(self) -> None:
+        for arrival in self.answered.values():
+            self.b.channel.withdraw(arrival)
+        self.answered.clear()
+
+    def _outcome_for_me(self, state: dict[str, Any]) -> Outcome | None:
+        """This attempt's outcome for this rank, or None while it may be another attempt's (or pending)."""
+        b = self.b
+        mine = (state.get("accepted") or {}).get(str(b.rank))
+        if mine == b.nonce:
+            return Outcome.from_state(state)
+        answered_it = str(state.get("session")) in self.answered
+        fresh = published_since_start(state)
+        # A state this process saw collecting, or published since it started, is this attempt's; a
+        # done-but-accepting state met only after the fact may be an earlier round's, frozen when its
+        # rank 0 was killed, and its accepted nonces then belong to dead processes.
+        current = fresh or str(state.get("session")) in self.collecting_seen
+        if answered_it and mine is not None and current:
+            raise NemoSafeError(
+                f"{b.where()}: rank 0 accepted another process as rank {b.rank} "
+                f"(nonce {mine}, ours {b.nonce}); two processes claim the same rank. "
+                "Check the launcher variables (SLURM_PROCID / RANK)."
+            )
+        reason = (state.get("rejected") or {}).get(b.nonce)
+        if reason:
+            raise ConfigurationError(f"{b.where()}: rank 0 rejected this rank {b.rank}: {reason}")
+        if fresh:
+            return Outcome.from_state(state)  # no process of an earlier attempt was alive to publish it
+        if state.get("accepting"):
+            return None  # rank 0 will accept us at its next look
+        if answered_it:
+            # Rank 0 closed a session we answered without counting us: only a live rank 0 closes one
+            # (a dead one's state never changes), so it is this attempt's outcome, reached without us.
+            return Outcome.from_state(state)
+        return None  # an outcome of another attempt: never releases us
+
+    def _absent_message(self, present: set[int]) -> str:
+        b = self.b
+        missing = [r for r in range(1, b.world_size) if r not in present]
+        return (
+            f"{b.where()}: rank {b.rank} waited {self.progress.elapsed:.1f} s and rank 0 never showed up, "
+            f"while ranks {ranges(missing)} of 1-{b.world_size - 1} are not here either: this "
+            "directory is probably not shared with them (node-local disk, another working directory)."
+        )
+
+    def _timeout_message(self) -> str:
+        b, last = self.b, self.last
+        head = f"{b.where()}: rank {b.rank} of {b.world_size} waited {self.progress.elapsed:.0f} s"
+        if last is None and self.foreign_state is not None:
+            return (
+                f"{head}; the only state record there is not one nemo_safe writes ({self.foreign_state}): "
+                f"another user or program writes into {b.channel.where()}. Remove it and restart."
+            )
+        if last is None:
+            return (
+                f"{head} and rank 0 never started the barrier (no state appeared). "
+                "Rank 0 may have crashed or be stuck before this point, or it uses another "
+                "directory or attempt key; check rank 0's log."
+            )
+        r0 = last.get("rank0") or {}
+        if last.get("phase") == "collect":
+            return (
+                f"{head}; rank 0 (host {r0.get('host')}, pid {r0.get('pid')}) opened session "
+                f"{last.get('session')} but never finished, and showed no sign of life for the last "
+                f"{b.timeout:.0f} s: it died, or it hangs with its heartbeat stopped too. "
+                f"If that process is not part of this job, {b.channel.where()} is left over from an "
+                "earlier attempt with the same key: delete it and restart."
+            )
+        return (
+            f"{head}; rank 0 never started this attempt's barrier: the only outcome found is "
+            f"from another attempt (session {last.get('session')}, rank 0 host "
+            f"{r0.get('host')} pid {r0.get('pid')}). Check rank 0's log."
+        )
