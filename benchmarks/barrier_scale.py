@@ -332,6 +332,20 @@ def ops_cap(pollers: int, per_poll: float) -> float:
 # -- main --------------------------------------------------------------------------------------------
 
 
+def fs_type(path: str) -> str:
+    """The filesystem type of the longest mount point above ``path`` (/proc/mounts)."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and (path + "/").startswith(parts[1].rstrip("/") + "/") and len(parts[1]) > len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
 def load() -> str:
     return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
@@ -355,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     if not shutil.which("strace"):
         raise SystemExit("barrier_scale: needs strace (apt-get install strace)")
     loads = [load()]
-    print(f"host: {os.cpu_count()} cores; local ext4/tmpfs folder {tempfile.gettempdir()}; work {args.work} s")
+    where = tempfile.gettempdir()
+    print(f"host: {os.cpu_count()} cores; folders in {where} ({fs_type(where)}); work {args.work} s")
     print()
     # 1. per-poll operations (strace) and latencies (no strace), at the runnable sizes.
     measured: dict[int, dict[str, float]] = {}
@@ -476,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     # 5. the model against the measurement, then at scale.
     print(
-        f"Model: ops/s = (N-1) x {per_poll:.2f} ops/poll / (0.875 x cap) (+ one-off 2N-6N per barrier); "
+        f"Model: ops/s = (N-1) x {per_poll:.2f} ops/poll / (0.875 x cap) "
+        "(+ 7 one-off ops per waiter, N unlinks by rank 0); "
         "release = worst residual poll of the pollers (simulated backoff) + rank 0's scan; "
         "arrival = that + cap/5 + scan"
     )

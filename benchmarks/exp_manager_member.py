@@ -108,6 +108,7 @@ def main() -> int:
     p.add_argument("--config", choices=sorted(CONFIGS), required=True)
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--nemo-safe-first", action="store_true", help="run the nemo_safe variant first")
     args = p.parse_args()
     import lightning.pytorch as pl
     from nemo.utils.exp_manager import exp_manager
@@ -115,7 +116,8 @@ def main() -> int:
     instrument()
     ident = nemo_safe.detect_identity()
     side = Path(args.side)
-    for variant in ("upstream", "nemo_safe"):
+    order = ("nemo_safe", "upstream") if args.nemo_safe_first else ("upstream", "nemo_safe")
+    for variant in order:
         if variant == "upstream":
             nemo_safe.unpatch()
         else:

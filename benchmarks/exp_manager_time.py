@@ -48,7 +48,9 @@ def clean_env() -> dict[str, str]:
     return {**without_launchers(os.environ), "PYTHONUNBUFFERED": "1"}
 
 
-def launch(launcher: str, config: str, tmp: Path, old_files: int, per_node: int = 4) -> dict[str, list[Record]]:
+def launch(
+    launcher: str, config: str, tmp: Path, old_files: int, per_node: int = 4, nemo_safe_first: bool = False
+) -> dict[str, list[Record]]:
     """One launch: every rank's record per variant, by rank."""
     base, side = tmp / "base", tmp / "side"
     side.mkdir(parents=True)
@@ -56,6 +58,7 @@ def launch(launcher: str, config: str, tmp: Path, old_files: int, per_node: int 
         for variant in VARIANTS:
             demo.make_old_log_dir(base / variant / "log", old_files)
     args = [MEMBER, "--base", str(base), "--side", str(side), "--config", config]
+    args += ["--nemo-safe-first"] if nemo_safe_first else []
     env = clean_env()
     if launcher == "torchrun":
         torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -119,8 +122,8 @@ def breakdown(ranks: list[Record]) -> dict[str, list[float]]:
         if seen is not None and done_published is not None:
             before = [p for p in polls if p[1] <= done_published]
             out["rN: r0's state=done -> first read seeing it"].append((seen[1] - done_published) * ms)
-            gap = (seen[0] - before[-1][0]) * ms if before else float("nan")
-            out["rN: poll gap around the release"].append(gap)
+            if before:  # the read before the release and the one that saw it
+                out["rN: poll gap around the release"].append((seen[0] - before[-1][0]) * ms)
         out["rN: polls per wait"].append(float(len(polls)))
         out["rN: wait() -> leave: NeMo's work after the barrier"].append((r["end"] - t["wait.end"]) * ms)
         if done_published is not None:
@@ -152,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-slurm", action="store_true")
     p.add_argument("--no-torchrun", action="store_true")
     p.add_argument("--old-files", type=int, default=OLD_FILES)
+    p.add_argument("--nemo-safe-first", action="store_true", help="run nemo_safe before upstream in each process")
     p.add_argument("--per-node", type=int, default=4, help="ranks per node (1 on 2 cores: no CPU contention)")
     p.add_argument("--configs", nargs="+", default=["defaults", "resume"], choices=["defaults", "resume"])
     args = p.parse_args(argv)
-    launchers = ([] if args.no_torchrun else ["torchrun"]) + ([] if args.no_slurm or not slurm_answers() else ["srun"])
+    # torchrun --standalone is one node: with one rank per node it would be a single process.
+    torchrun = not args.no_torchrun and args.per_node > 1
+    launchers = (["torchrun"] if torchrun else []) + ([] if args.no_slurm or not slurm_answers() else ["srun"])
     world = {
         "torchrun": f"torchrun --standalone --nproc-per-node {args.per_node}",
         "srun": f"srun -N2 --ntasks-per-node={args.per_node}",
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             new_spread: list[float] = []
             for _ in range(args.rounds):
                 with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp:
-                    runs = launch(launcher, config, Path(tmp), args.old_files, args.per_node)
+                    runs = launch(launcher, config, Path(tmp), args.old_files, args.per_node, args.nemo_safe_first)
                 loads.append(load())
                 for variant, ranks in runs.items():
                     zero = ranks[0]

@@ -161,7 +161,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A killed process its parent has not reaped yet: it still has a pid, but it will never write again
+    (a launcher that waits for its children in rank order reaps a dead downloader late)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
 
 
 def _checkable_pid(name: str, owner: str | None) -> int | None:

@@ -180,9 +180,10 @@ class Barrier:
     def _start(self, open_session: bool) -> RankZero:
         if self.rank != 0:
             raise ConfigurationError(f"{self.where()}: only rank 0 gathers; rank {self.rank} must wait()")
-        self._rank_zero = RankZero(self, open_session)
-        self._rank_zero.start()
-        return self._rank_zero
+        rank_zero = RankZero(self, open_session)
+        rank_zero.start()  # a start that fails (a second rank 0, an unsafe path) leaves nothing to release
+        self._rank_zero = rank_zero
+        return rank_zero
 
     def release(self, error: BaseException | None = None, payload: dict[str, Any] | None = None) -> None:
         """Rank 0: publish the outcome (``error``'s type and text, or success with ``payload``) to every

@@ -56,7 +56,7 @@ class ClusterIdentity:
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         """:meth:`Launcher.validate_settings` of the launcher that started this process."""
-        LAUNCHERS_BY_NAME[self.launcher].validate_settings(self, num_devices, num_nodes)
+        LAUNCHERS_BY_NAME.get(self.launcher, Launcher).validate_settings(self, num_devices, num_nodes)
 
 
 def sanitize_component(raw: str, max_len: int = _MAX_KEY_LEN) -> str:

@@ -31,16 +31,13 @@ class RankZeroAbsent(NemoSafeError):
 
 class RemoteFailure(NemoSafeError):
     """Another process's work failed, and this process waited for it: raised here with that
-    process's exception type name and text (``remote_type``, ``remote_message``), which also
-    survive pickling (a multiprocessing parent gets them back from a child)."""
+    process's exception type name and text (``remote_type``, ``remote_message``; both survive
+    pickling, so a multiprocessing parent gets them back from a child)."""
 
     def __init__(self, message: str, remote_type: str = "", remote_message: str = "") -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_message = remote_message
-
-    def __reduce__(self) -> tuple[type[RemoteFailure], tuple[str, str, str]]:
-        return type(self), (str(self), self.remote_type, self.remote_message)
 
 
 class RankZeroFailed(RemoteFailure):

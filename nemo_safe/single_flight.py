@@ -48,6 +48,7 @@ import contextlib
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +58,15 @@ from nemo_safe.atomic_files import pid_alive, unlink_if_exists
 from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, NemoSafeError, WaitTimeout
 from nemo_safe.flight_locks import LOCK_DIRNAME, FlightLocks, lock_folder_usable
-from nemo_safe.waiting import Backoff, Progress, env_seconds, poll_cap, positive_seconds, timeout_or_default
+from nemo_safe.waiting import (
+    POLL_MAX_ENV,
+    Backoff,
+    Progress,
+    env_seconds,
+    poll_cap,
+    positive_seconds,
+    timeout_or_default,
+)
 
 __all__ = ["LOCK_DIRNAME", "SingleFlight", "check_still_leading", "lock_folder_usable", "run_else_upstream"]
 
@@ -105,12 +114,37 @@ def check_still_leading() -> None:
         flight._check_not_deposed()
 
 
-def _job_size() -> int:
-    """How many processes the launcher started (1 where none did, e.g. ``mp.spawn``)."""
+#: Poll cap of a waiter where no launcher says how many processes there are (``mp.spawn``, Lightning's own
+#: launcher, an interactive allocation): any number may wait, so not the 50 ms of a small job.
+POLL_CAP_UNKNOWN_JOB = 0.25
+#: Metadata calls of one waiter's poll: ``done()`` (a stat or a few), listing the lock folder, reading the lock.
+CALLS_PER_POLL = 3
+
+
+def _job_size() -> int | None:
+    """How many processes the job has: the launcher's world size, else an initialized default process
+    group's (``mp.spawn`` + ``init_process_group``, as in PyTorch's FSDP tutorial), else unknown."""
     try:
-        return detect_identity().world_size
+        ident = detect_identity()
     except NemoSafeError:
-        return 1
+        ident = None
+    if ident is not None and ident.launcher != "none":
+        return ident.world_size
+    dist = sys.modules.get("torch.distributed")  # never imported here: only asked where the job already did
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:  # a half-torn-down group: as unknown
+        return None
+    return None
+
+
+def _poll_cap() -> float:
+    """The barrier's poll cap for the job's size (every rank may wait on one shared root)."""
+    size = _job_size()
+    if size is None:
+        return env_seconds(POLL_MAX_ENV, POLL_CAP_UNKNOWN_JOB)
+    return poll_cap(size, CALLS_PER_POLL)
 
 
 class _Watch:
@@ -203,9 +237,7 @@ class SingleFlight:
             else positive_seconds(f"{self.what}: stale_after", stale_after)
         )
         #: A waiter's poll cap: as the barrier's, for the launcher's world size (every rank may wait here).
-        self.poll_max = (
-            poll_cap(_job_size()) if poll_max is None else positive_seconds(f"{self.what}: poll_max", poll_max)
-        )
+        self.poll_max = _poll_cap() if poll_max is None else positive_seconds(f"{self.what}: poll_max", poll_max)
         #: True when this process ran the job (tests and the demo report it).
         self.led = False
         self._generation: int | None = None  # the generation this process leads
@@ -385,7 +417,10 @@ class _Waiting:
             self.backoff.sleep(self.deadline)
             return _KEEP_WAITING
         if not generations:
-            return 0 if f.locks.try_lead(0) else _KEEP_WAITING
+            if f.locks.try_lead(0):
+                return 0
+            self.backoff.sleep(self.deadline)  # another process won; this listing did not show it yet
+            return _KEEP_WAITING
         current = generations[-1]
         try:
             info = f.locks.read(current)
@@ -424,7 +459,10 @@ class _Waiting:
                 )  # fmt: skip
             if state == "done" and done():
                 return None
-            return current + 1 if f.locks.try_lead(current + 1) else _KEEP_WAITING
+            if f.locks.try_lead(current + 1):
+                return current + 1
+            self.backoff.sleep(self.deadline)  # another process took over first
+            return _KEEP_WAITING
         if time.monotonic() > self.deadline:
             raise WaitTimeout(
                 f"{f.what}: waited {self.progress.elapsed:.0f} s for the process doing it (host "

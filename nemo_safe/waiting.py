@@ -69,9 +69,10 @@ def default_timeout() -> float:
     return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
-def poll_cap(processes: int) -> float:
-    """The poll cap for ``processes`` waiting processes: ``NEMO_SAFE_POLL_MAX``, else scaled (see above)."""
-    scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, processes / POLLS_PER_SECOND_BUDGET))
+def poll_cap(processes: int, calls_per_poll: int = 1) -> float:
+    """The poll cap for ``processes`` waiting processes whose one poll makes ``calls_per_poll`` metadata
+    calls on the shared server: ``NEMO_SAFE_POLL_MAX``, else scaled (see above)."""
+    scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, processes * calls_per_poll / POLLS_PER_SECOND_BUDGET))
     return env_seconds(POLL_MAX_ENV, scaled)
 
 

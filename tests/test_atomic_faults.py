@@ -392,6 +392,29 @@ def test_old_names_and_other_namespaces_are_judged_by_age(tmp_path: Path) -> Non
     assert removed == {names["this namespace"], names["old name, 25 h"], names["other namespace, 25 h"]}
 
 
+def test_a_killed_writer_not_yet_reaped_is_dead(tmp_path: Path) -> None:
+    """A killed process whose parent has not waited for it yet (a launcher reaping its children in rank
+    order) keeps its pid as a zombie: ``kill(pid, 0)`` still succeeds. It can never write again, so its
+    temporaries are swept and a lock it held is taken over after a few beats, not after the stale limit."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        head, owner, _, token = owned_temp_name("f").rsplit("~", 3)
+        temp = tmp_path / "~".join((head, owner, str(child.pid), token))  # as the child would have named it
+        temp.write_bytes(b"x")
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while b") Z " not in Path(f"/proc/{child.pid}/stat").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # the naive check: the pid still exists
+        assert not pid_alive(child.pid)
+        assert sweep_stale_temps(str(tmp_path)) == [temp.name]
+    finally:
+        child.kill()
+        child.wait()
+
+
 # -- (9) nothing written outside the destination -------------------------------------------------------------
 
 

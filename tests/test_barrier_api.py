@@ -40,6 +40,22 @@ def test_wrong_side_calls(tmp_path: Path) -> None:
         Barrier(tmp_path, 2, "x", rank=0, attempt_key="k").release()
 
 
+def test_release_after_a_start_that_failed_publishes_nothing(tmp_path: Path) -> None:
+    """A rank 0 whose gather() failed before it opened a session (here: the barrier folder is a symlink)
+    has no outcome to give: the usual ``except: barrier.release(exc)`` must not write a failure over the
+    records, where the real rank 0's waiters would take it for theirs."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / ".nemo_safe").symlink_to(elsewhere)
+    barrier = Barrier(tmp_path / "work", 2, "x", rank=0, attempt_key="k", timeout=1)
+    with pytest.raises(NemoSafeError) as started:
+        barrier.gather()
+    with pytest.raises(ConfigurationError, match="release\\(\\) before gather"):
+        barrier.release(started.value)
+    assert list(elsewhere.rglob("*")) == [], "nothing may be written through the refused path"
+
+
 def test_single_process_writes_nothing(tmp_path: Path) -> None:
     with rank_zero_first(tmp_path, 1, "solo") as barrier:
         assert barrier is None

@@ -146,9 +146,9 @@ def test_a_flight_held_again_by_its_leader_runs_inside_it(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({}, 0.05),  # one process, or mp.spawn before any launcher variable: the barrier's floor
-        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, 0.05),
-        ({"RANK": "3", "WORLD_SIZE": "1000", "LOCAL_RANK": "3"}, 0.5),  # ~2,000 polls/s for the whole job
+        ({}, 0.25),  # no launcher (mp.spawn, Lightning's own launcher): any number of processes may wait
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, 0.05),  # a small job: the barrier's floor
+        ({"RANK": "3", "WORLD_SIZE": "300", "LOCAL_RANK": "3"}, 0.45),  # 3 calls a poll: ~2,000 calls/s in all
         ({"RANK": "3", "WORLD_SIZE": "4096", "LOCAL_RANK": "3"}, 1.0),  # capped
         ({"NEMO_SAFE_POLL_MAX": "0.2"}, 0.2),
     ],
@@ -156,8 +156,9 @@ def test_a_flight_held_again_by_its_leader_runs_inside_it(tmp_path: Path) -> Non
 def test_waiters_poll_as_often_as_the_job_size_allows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: float
 ) -> None:
-    """Download waiters poll with the barrier's cap for the launcher's world size: 50 ms in small jobs
-    (they learn of the leader's success within that), slower where thousands of ranks poll one folder."""
+    """Download waiters poll with the barrier's cap for the launcher's world size (3 metadata calls a poll):
+    50 ms in small jobs (they learn of the leader's success within that), slower where thousands of ranks
+    poll one folder, 0.25 s where no launcher says how many processes there are."""
     from nemo_safe import cluster_identity
 
     for name in [*cluster_identity.LAUNCHER_NAMES, "NEMO_SAFE_POLL_MAX"]:
@@ -167,3 +168,23 @@ def test_waiters_poll_as_often_as_the_job_size_allows(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(expected)
+
+
+def test_waiters_of_a_spawned_job_poll_as_a_small_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mp.spawn`` + ``init_process_group`` (PyTorch's FSDP tutorial) sets no launcher variables, but the
+    default process group knows the job's size: its waiters poll as the launcher's would (here 50 ms, not
+    the 0.25 s of a job of unknown size)."""
+    import torch.distributed as dist
+
+    from nemo_safe import cluster_identity
+
+    for name in [n for n in os.environ if n.startswith(cluster_identity.LAUNCHER_PREFIXES)]:
+        monkeypatch.delenv(name)
+    for name in [*cluster_identity.LAUNCHER_NAMES, "NEMO_SAFE_POLL_MAX"]:
+        monkeypatch.delenv(name, raising=False)
+    assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(0.25)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(0.05)
+    finally:
+        dist.destroy_process_group()
