@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nemo_safe import atomic_files
+from nemo_safe.cluster_identity import without_launchers
 from nemo_safe.single_flight import LOCK_DIRNAME, SingleFlight
 
 from procs import FLIGHT_WORKER, finish_flights, start_flights
@@ -143,6 +144,13 @@ def test_a_flight_held_again_by_its_leader_runs_inside_it(tmp_path: Path) -> Non
     assert not (tmp_path / LOCK_DIRNAME).exists(), "nothing left behind"
 
 
+def _without_launchers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as one no launcher started (the test runner may run under one), no poll cap set."""
+    kept = without_launchers(os.environ)
+    for name in [n for n in os.environ if n not in kept or n == "NEMO_SAFE_POLL_MAX"]:
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -159,12 +167,7 @@ def test_waiters_poll_as_often_as_the_job_size_allows(
     """Download waiters poll with the barrier's cap for the launcher's world size (3 metadata calls a poll):
     50 ms in small jobs (they learn of the leader's success within that), slower where thousands of ranks
     poll one folder, 0.25 s where no launcher says how many processes there are."""
-    from nemo_safe import cluster_identity
-
-    for name in [*cluster_identity.LAUNCHER_NAMES, "NEMO_SAFE_POLL_MAX"]:
-        monkeypatch.delenv(name, raising=False)
-    for name in [n for n in os.environ if n.startswith(cluster_identity.LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(name)
+    _without_launchers(monkeypatch)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(expected)
@@ -176,12 +179,7 @@ def test_waiters_of_a_spawned_job_poll_as_a_small_job(tmp_path: Path, monkeypatc
     the 0.25 s of a job of unknown size)."""
     import torch.distributed as dist
 
-    from nemo_safe import cluster_identity
-
-    for name in [n for n in os.environ if n.startswith(cluster_identity.LAUNCHER_PREFIXES)]:
-        monkeypatch.delenv(name)
-    for name in [*cluster_identity.LAUNCHER_NAMES, "NEMO_SAFE_POLL_MAX"]:
-        monkeypatch.delenv(name, raising=False)
+    _without_launchers(monkeypatch)
     assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(0.25)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
