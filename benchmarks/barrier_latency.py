@@ -26,20 +26,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from nemo_safe.barrier import (
-    POLL_MAX_CEIL,
-    POLL_MAX_FLOOR,
-    POLLS_PER_SECOND_BUDGET,
-    RANK0_POLL_SPEEDUP,
-    Barrier,
-)
-from nemo_safe.waiting import POLL_MIN, Backoff
+from nemo_safe.barrier import CALLS_PER_POLL, RANK0_POLL_SPEEDUP, Barrier
+from nemo_safe.waiting import POLL_MIN, Backoff, poll_cap
 
 FS_CALLS = ("open", "scandir", "listdir", "replace", "unlink", "lstat", "stat", "mkdir", "rmdir")
 
 
 def _poll_cap(world: int) -> float:
-    return min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, world / POLLS_PER_SECOND_BUDGET))
+    """The barrier's cap for ``world`` ranks (the same for the store protocols, to compare like with like)."""
+    return poll_cap(world - 1, CALLS_PER_POLL)
 
 
 class _Counter:

@@ -6,9 +6,12 @@ seconds, ``release()``s; the others ``wait()``), once under ``strace -f -e
 trace=%file,getdents64`` per process (the calls between two marker stats:
 what the barrier itself does) and ``--rounds`` times without strace
 (latencies). Rank 0's listing of N arrival names is measured at the full
-sizes (N files in one folder). Then the model (see ``model_table``) is
-computed for 256, 1,024 and 4,096 ranks, flat and two-level (one waiter per
-node polls the shared folder), and set against the measurement.
+sizes (N files in one folder). The flat barrier is set against the library's
+node copies (``nemo_safe/node_copy.py``: one reader per node polls the shared
+folder, the node's other ranks a copy in /dev/shm), with torchrun's variables
+placing the ranks on nodes of 8. Then the model (see ``model_row``) is computed
+for 256, 1,024 and 4,096 ranks, flat and with node copies, and set against the
+measurement.
 
 Run: .venv/bin/python benchmarks/barrier_scale.py [--sizes 2 8 16 32] [--rounds 3] [--work 1.0]
 """
@@ -30,13 +33,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from nemo_safe.barrier import RANK0_POLL_SPEEDUP
-from nemo_safe.waiting import POLL_MIN
-
-try:  # the cap rule's constants (nemo_safe/barrier.py)
-    from nemo_safe.barrier import POLL_MAX_CEIL, POLL_MAX_FLOOR, POLLS_PER_SECOND_BUDGET
-except ImportError:  # pragma: no cover - moved in a refactor: the values of 2026-12-02
-    POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
+from nemo_safe.barrier import CALLS_PER_POLL, RANK0_POLL_SPEEDUP
+from nemo_safe.waiting import POLL_MAX_FLOOR, POLL_MIN, poll_cap
 
 HERE = Path(__file__).resolve()
 MARK = "/nonexistent-nemo-safe-scale"
@@ -51,9 +49,9 @@ METADATA = {"openat", "open", "newfstatat", "stat", "lstat", "statx", "rename", 
 METADATA |= {"unlink", "unlinkat", "mkdir", "mkdirat", "rmdir", "getdents64", "access", "faccessat2"}
 
 
-def cap_rule(world: int) -> float:
-    """The library's default poll cap for a world size (nemo_safe/barrier.py)."""
-    return min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, world / POLLS_PER_SECOND_BUDGET))
+def cap_rule(pollers: int) -> float:
+    """The library's poll cap for this many ranks polling the shared folder (nemo_safe/barrier.py)."""
+    return poll_cap(pollers, CALLS_PER_POLL)
 
 
 def mark(name: str) -> None:
@@ -87,19 +85,7 @@ def worker(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"rank": args.rank, "attempt_key": args.key, "timeout": 120}
     if args.poll_max:
         kwargs["poll_max"] = args.poll_max
-    local = top = None
-    if args.group:
-        # Two-level prototype: node = rank // group, its leader = local rank 0 (the launcher's
-        # SLURM_LOCALID / LOCAL_RANK == 0: one per node, the same on every rank); rank 0 leads node 0.
-        node, local_rank = divmod(args.rank, args.group)
-        nodes = -(-args.world // args.group)
-        members = min(args.group, args.world - node * args.group)
-        local_dir = os.path.join(os.path.dirname(args.dir), f"local{node}")
-        local = Barrier(local_dir, members, "scale-local", rank=local_rank, attempt_key=args.key, timeout=120)
-        if local_rank == 0:
-            top = Barrier(args.dir, nodes, "scale", **{**kwargs, "rank": node})
-    else:
-        top = Barrier(args.dir, args.world, "scale", **kwargs)
+    top = Barrier(args.dir, args.world, "scale", **kwargs)  # node copies where the environment asks for them
     # Gate: every rank enters at one instant (latest arrival + 0.3 s), outside the marked window.
     (side / f".ready.{args.rank}").write_text(repr(time.time()))
     os.replace(side / f".ready.{args.rank}", side / f"ready.{args.rank}")
@@ -113,30 +99,21 @@ def worker(args: argparse.Namespace) -> int:
     mark("START")
     events["entered"] = time.time()
     if args.rank == 0:
-        if local is not None:
-            local.gather()
-        assert top is not None
         top.gather()
         events["gathered"] = time.time()
         time.sleep(args.work)
         events["released"] = time.time()
         top.release()
-        if local is not None:
-            local.release()
         mark("RELEASED")
         records = os.path.join(args.dir, ".nemo_safe")
         deadline = time.monotonic() + 30
         while os.path.exists(records + "/./") and time.monotonic() < deadline:  # clean-up done
             time.sleep(0.005)
         events["cleaned"] = time.time()
-    elif top is not None and local is not None:  # a node leader
-        local.gather()
-        top.wait()
-        local.release()
-        events["seen"] = time.time()
     else:
-        (top or local).wait()  # type: ignore[union-attr]
+        top.wait()
         events["seen"] = time.time()
+        events["role"] = getattr(top.channel, "role", "flat")
     mark("END")
     (side / f"result.{args.rank}.json").write_text(json.dumps(events))
     return 0
@@ -145,14 +122,23 @@ def worker(args: argparse.Namespace) -> int:
 # -- launching and counting ---------------------------------------------------------------------------
 
 
+def placed_on_nodes(rank: int, world: int, group: int, key: str) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of ``world`` on nodes of ``group`` ranks, node copies on (the benchmark
+    places the ranks as torchrun would; nemo_safe reads only these variables)."""
+    node, local = divmod(rank, group)
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "GROUP_RANK": str(node),
+        "LOCAL_WORLD_SIZE": str(group), "GROUP_WORLD_SIZE": str(-(-world // group)), "TORCHELASTIC_RUN_ID": key,
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "NEMO_SAFE_NODE_COPY": "1",
+    }  # fmt: skip
+
+
 def run_barrier(world: int, work: float, traced: bool, poll_max: float | None = None, group: int = 0) -> dict[str, Any]:
-    """One barrier of ``world`` processes; ``group`` > 0: the two-level prototype, nodes of ``group`` ranks."""
+    """One barrier of ``world`` processes; ``group`` > 0: with node copies, on nodes of ``group`` ranks."""
     with tempfile.TemporaryDirectory(prefix="nemo_safe_scale_") as tmp:
         d, side, traces = Path(tmp, "d"), Path(tmp, "side"), Path(tmp, "traces")
         for p in (d, side, traces):
             p.mkdir()
-        for node in range(-(-world // group) if group else 0):
-            Path(tmp, f"local{node}").mkdir()
         key = f"scale-{random.getrandbits(32):x}"
         procs = []
         for rank in range(world):
@@ -160,12 +146,13 @@ def run_barrier(world: int, work: float, traced: bool, poll_max: float | None = 
             cmd += ["--dir", str(d), "--side", str(side), "--key", key, "--work", str(work)]
             if poll_max:
                 cmd += ["--poll-max", str(poll_max)]
-            if group:
-                cmd += ["--group", str(group)]
             if traced:
                 out = str(traces / f"t.{rank}")
                 cmd = ["strace", "-f", "-qq", "-e", "trace=%file,getdents64", "-o", out, *cmd]
-            procs.append(subprocess.Popen(cmd))
+            env = {**os.environ, **(placed_on_nodes(rank, world, group, key) if group else {})}
+            if not group:
+                env["NEMO_SAFE_NODE_COPY"] = "0"
+            procs.append(subprocess.Popen(cmd, env=env))
         deadline = time.monotonic() + 300
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
@@ -189,7 +176,7 @@ _AT_CALLS = {"openat", "newfstatat", "unlinkat", "mkdirat", "renameat", "renamea
 def count_calls(trace: Path, barrier_dir: str) -> dict[str, Counter[str]]:
     """Calls between the START and END markers, by phase (before / after RELEASED) and kind; the
     ``shared`` counter has those whose path (resolved through the descriptors the trace opened) is
-    under ``barrier_dir``, the shared folder (the rest are node-local folders of the two-level run)."""
+    under ``barrier_dir``, the shared folder (the rest are the node copies in /dev/shm)."""
     phases: dict[str, Counter[str]] = {"wait": Counter(), "after": Counter(), "shared": Counter()}
     phase = None
     fds: dict[str, str] = {}
@@ -324,11 +311,6 @@ def model_row(n: int, cap: float, pollers: int, per_poll: float, list_ms: float,
     return {"N": n, "cap": cap, "pollers": pollers, "ops": ops, "release": release, "arrival": arrival}
 
 
-def ops_cap(pollers: int, per_poll: float) -> float:
-    """The cap that keeps ``pollers`` at OPS_BUDGET metadata operations per second (floor 50 ms)."""
-    return max(POLL_MAX_FLOOR, pollers * per_poll / (OPS_BUDGET * JITTER_MEAN))
-
-
 # -- main --------------------------------------------------------------------------------------------
 
 
@@ -362,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--dir", "--side", "--key"):
         p.add_argument(name, help=argparse.SUPPRESS)
     p.add_argument("--poll-max", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -421,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n, m in measured.items():
         print(
-            f"| {n} | {cap_rule(n):.3f} | {m['polls']:.0f} | {m['ops']:.0f} | {m['one_off']:.0f} | {m['per_poll']:.2f} "
+            f"| {n} | {cap_rule(n - 1):.3f} | {m['polls']:.0f} | {m['ops']:.0f} | {m['one_off']:.0f} "
+            f"| {m['per_poll']:.2f} "
             f"| {m['rank0_ops']:.0f} | {m['ops_s']:.0f} | {1000 * m['release']:.1f} | {1000 * m['arrival']:.1f} |"
         )
     print()
@@ -435,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| cap of N | cap s | polls/s per waiter: measured | model | release ms: measured | model |")
     print("|---|---|---|---|---|---|")
     for n in MODEL_SIZES:
-        cap = cap_rule(n)
+        cap = cap_rule(n - 1)
         rates, rel = [], []
         for _ in range(args.rounds):
             res = run_barrier(8, args.long_work, traced=False, poll_max=cap)["results"]
@@ -459,17 +441,17 @@ def main(argv: list[str] | None = None) -> int:
     for n, v in listing.items():
         print(f"| {n} | {v['ms']:.2f} | {v['getdents64']:.0f} |")
     print()
-    # 4. the two-level prototype against the flat barrier, at the largest runnable size.
+    # 4. node copies against the flat barrier, at the largest runnable size.
     big = max(args.sizes)
     group = min(RANKS_PER_NODE, big)
-    print(f"Flat vs two-level prototype, N={big}, nodes of {group} (node-local folders on the same disk here)")
+    print(f"Flat vs node copies (nemo_safe/node_copy.py), N={big}, nodes of {group} placed by torchrun's variables")
     print()
     print(
         "| design | shared-folder pollers | metadata ops on the shared folder (all ranks) | of which polls "
         "| shared ops/s | release ms (median) | arrival seen by rank 0 ms (median) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for design, g in (("flat", 0), ("two-level", group)):
+    for design, g in (("flat", 0), ("node copies", group)):
         counts = run_barrier(big, args.work, traced=True, group=g)["counts"]
         loads.append(load())
         shared = Counter()
@@ -482,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             rel.append(max(res[r]["seen"] for r in range(1, big)) - res[0]["released"])
             arr.append(res[0]["gathered"] - max(res[r]["arrived"] for r in range(1, big)))
         window = args.work + statistics.median(rel)
-        pollers = big - 1 if not g else -(-big // g) - 1
+        pollers = big - 1 if not g else -(-big // g)  # one reader per node (local rank 1 on node 0)
         total = server_ops(shared)
         print(
             f"| {design} | {pollers} | {total} | {shared['openat dir'] + shared['openat file']} "
@@ -501,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for n, m in measured.items():
         window = args.work + m["release"]
-        polls = polls_per_waiter(cap_rule(n), window)
+        polls = polls_per_waiter(cap_rule(n - 1), window)
         ops_s = (n - 1) * (polls * per_poll + m["one_off"]) / window
-        row = model_row(n, cap_rule(n), n - 1, per_poll, 0.0, args.work)
+        row = model_row(n, cap_rule(n - 1), n - 1, per_poll, 0.0, args.work)
         print(
             f"| {n} | {m['polls']:.0f} | {polls:.1f} | {m['ops_s']:.0f} | {ops_s:.0f} | {1000 * m['release']:.1f} "
             f"| {1000 * row['release']:.1f} |"
@@ -511,23 +493,22 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"At scale ({RANKS_PER_NODE} ranks per node; waits long enough to reach the cap, 10 s):")
     print()
+    one_off = statistics.median(m["one_off"] for m in measured.values())
     print(
-        "| N | design | cap rule | cap s | shared-folder pollers | metadata ops/s | release s | arrival s | verdict |"
+        "| N | design | cap rule | cap s | shared-folder pollers | metadata ops/s (polls) "
+        "| one-off calls per barrier (arrive, withdraw, taken) | release s | arrival s | verdict |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in MODEL_SIZES:
         nodes = n // RANKS_PER_NODE
         lst = listing[n]["ms"]
-        node_list = listing[MODEL_SIZES[0]]["ms"] * nodes / MODEL_SIZES[0]
         designs = [
-            ("flat", "current (N/2000 polls/s)", cap_rule(n), n - 1, lst),
-            ("flat", "ops budget", ops_cap(n - 1, per_poll), n - 1, lst),
-            ("two-level", "current (nodes/2000)", cap_rule(nodes), nodes - 1, node_list),
-            ("two-level", "ops budget", ops_cap(nodes - 1, per_poll), nodes - 1, node_list),
+            ("flat", "poll_cap(N-1 pollers)", cap_rule(n - 1), n - 1, lst),
+            ("node copies", "poll_cap(nodes pollers)", cap_rule(nodes), nodes, lst),
         ]
         for design, rule, cap, pollers, list_ms in designs:
             row = model_row(n, cap, pollers, per_poll, list_ms, 10.0)
-            if design == "two-level":  # + the node-local hop: a 50 ms-capped poll of a local folder
+            if design == "node copies":  # + the node-local hop: a 50 ms-capped poll of the copy
                 row["release"] += POLL_MAX_FLOOR
                 row["arrival"] += POLL_MAX_FLOOR
             ops_ok = row["ops"] <= OPS_BUDGET * 1.001
@@ -539,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
             print(
-                f"| {n:,} | {design} | {rule} | {cap:.3f} | {pollers:,} | {row['ops']:,.0f} | {row['release']:.2f} "
+                f"| {n:,} | {design} | {rule} | {cap:.3f} | {pollers:,} | {row['ops']:,.0f} | {(n - 1) * one_off:,.0f} "
+                f"| {row['release']:.2f} "
                 f"| {row['arrival']:.2f} | {verdict} |"
             )
     print()

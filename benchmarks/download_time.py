@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"{args.ranks} ranks, nemo_safe", args.ranks, False, False),
         ("one rank alone, files already on disk (loading only)", 1, False, True),
         (f"{args.ranks} ranks, files already on disk (loading only)", args.ranks, False, True),
+        (f"{args.ranks} ranks, upstream, files already on disk (loading only)", args.ranks, True, True),
     ]
     rows: dict[tuple[str, str], list[tuple[float, float, list[str]]]] = {}
     for _ in range(args.rounds):  # interleaved, so drift hits every configuration alike

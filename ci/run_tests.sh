@@ -44,12 +44,13 @@ step "pytest, NeMo tests again (nemo_toolkit 2.7.3)"
 # Release-dependent behaviour only: the race and its twin, the version guard, import orders, one process, the
 # exp_manager configuration matrix under torchrun (2.7.3 writes per-rank log files always). The fault cases
 # (killed task, read-only log_dir, trainer/launcher disagreeing), the demo command, Lightning's local launcher, the
-# matrix's srun, node-local and restart runs, and training + resume (Lightning's, after the same check_resume)
+# matrix's srun, node-local and restart runs, node copies, and training + resume (Lightning's, after the same check_resume)
 # exercise nemo_safe's own code over get_log_dir and check_resume, identical in both releases: run once, above.
 status=0
 .venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py \
     -k "not demo_command and not local_launcher and not killed and not read_only and not disagree \
-        and not srun_two_nodes and not node_local and not restart and not train_then_resume" "$@" \
+        and not srun_two_nodes and not node_local and not node_copies and not restart and not train_then_resume" \
+    "$@" \
     || status=$?
 # 5 (no test collected) only where extra arguments deselected every NeMo test. (An explicit exit: set -e does
 # not stop at a failing `a || { b && c; }`.)

@@ -53,35 +53,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from nemo_safe import cluster_identity
+from nemo_safe import cluster_identity, node_copy
 from nemo_safe.barrier_channels import Channel, FileChannel
 from nemo_safe.barrier_rank_zero import RANK0_POLL_SPEEDUP, RankZero
 from nemo_safe.barrier_state import Outcome
 from nemo_safe.barrier_waiter import Waiter
 from nemo_safe.errors import ConfigurationError
 from nemo_safe.records import new_nonce
-from nemo_safe.waiting import (
-    POLL_MAX_CEIL,
-    POLL_MAX_FLOOR,
-    POLLS_PER_SECOND_BUDGET,
-    poll_cap,
-    positive_seconds,
-    timeout_or_default,
-)
+from nemo_safe.waiting import poll_cap, positive_seconds, timeout_or_default
 
-#: The poll constants are here too, where benchmarks look for them.
-__all__ = [
-    "POLLS_PER_SECOND_BUDGET",
-    "POLL_MAX_CEIL",
-    "POLL_MAX_FLOOR",
-    "RANK0_POLL_SPEEDUP",
-    "Barrier",
-    "Outcome",
-    "rank_zero_first",
-]
+#: The poll constant rank 0 uses is here too, where the benchmarks look for it.
+__all__ = ["CALLS_PER_POLL", "RANK0_POLL_SPEEDUP", "Barrier", "Outcome", "rank_zero_first"]
 
 
 T = TypeVar("T")
+
+#: Metadata calls of one waiter's poll of a directory's ``state`` (open the folder, open the file;
+#: measured by benchmarks/barrier_scale.py): the poll cap budgets calls, not polls.
+CALLS_PER_POLL = 2
 
 # Per-process call counters, so that the n-th barrier of one name uses its own records.
 _sequence: dict[tuple[str, str, str], int] = {}
@@ -138,10 +127,12 @@ class Barrier:
         #: The key names this attempt only (SLURM, MPI): records carrying it are never an earlier attempt's.
         self.attempt_unique = attempt_unique
         self.timeout = timeout_or_default(f"barrier {name!r}", timeout)
+        channel = where if isinstance(where, Channel) else FileChannel(where)
+        #: Waiting ranks of one node may read rank 0's state through one reader (:mod:`nemo_safe.node_copy`).
+        self.channel = node_copy.around(channel, self.rank, world_size)
         if poll_max is None:
-            poll_max = poll_cap(world_size)
+            poll_max = poll_cap(self.channel.shared_pollers(world_size), CALLS_PER_POLL)
         self.poll_max = positive_seconds(f"barrier {name!r}: poll_max", poll_max)
-        self.channel = where if isinstance(where, Channel) else FileChannel(where)
         seq = _next_sequence(self.channel.identity, self.name, self.attempt_key)
         self.channel.bind(f"{self.name}.{self.attempt_key}.{seq}")
         #: Leave the (empty) hidden parent directory after success. For directories other ranks

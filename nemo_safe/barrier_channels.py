@@ -125,6 +125,17 @@ class Channel(ABC):
     #: Whether rank 0 removes the records once every rank took the outcome (a store ends with the job).
     needs_cleanup = False
 
+    def shared_pollers(self, world_size: int) -> int:
+        """How many waiting ranks poll the shared ``state`` (it sets their poll cap): all of them, here."""
+        return world_size - 1
+
+    def poll_cap(self, shared_cap: float) -> float:
+        """The cap of a waiter's next pause (:mod:`nemo_safe.node_copy` polls its local copy more often)."""
+        return shared_cap
+
+    def finish(self) -> None:  # noqa: B027 - optional
+        """A waiter is done with the records (taken, failed or given up)."""
+
     def replace_leader(self, body: dict[str, Any]) -> None:  # noqa: B027 - only where a claim exists
         """Take over the claim of a rank 0 that ended before this process started."""
 

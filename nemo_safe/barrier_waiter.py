@@ -66,8 +66,10 @@ class Waiter:
                     log.info("nemo_safe: rank %d waiting for rank 0 at %s (%.0f s of %.0f s)",
                              b.rank, b.where(), self.progress.elapsed, b.timeout)  # fmt: skip
                 grace_end = self.progress.start + self.grace if self.grace is not None else self.deadline
+                self.backoff.set_cap(b.channel.poll_cap(b.poll_max))
                 self.backoff.sleep(min(self.deadline, grace_end))
         finally:
+            b.channel.finish()
             self._withdraw()
             if presence is not None:
                 b.channel.withdraw(presence)

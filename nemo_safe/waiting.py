@@ -19,8 +19,10 @@ TIMEOUT_ENV = "NEMO_SAFE_BARRIER_TIMEOUT"
 POLL_MIN = 0.002
 POLL_MAX_ENV = "NEMO_SAFE_POLL_MAX"
 #: Poll cap of a waiting process: 50 ms for small jobs, growing with the number of processes that may
-#: poll one folder so that together they make at most ~2,000 polls/s on a metadata server, at most 1 s.
+#: poll one folder so that together they make at most ~2,000 metadata calls/s on its server, at most 1 s.
 POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
+#: :class:`Backoff` pauses 0.75-1.0 x its cap at the cap: the mean interval is this fraction of it.
+MEAN_PAUSE_AT_CAP = 0.875
 PROGRESS_EVERY = 5.0
 
 
@@ -71,8 +73,9 @@ def default_timeout() -> float:
 
 def poll_cap(processes: int, calls_per_poll: int = 1) -> float:
     """The poll cap for ``processes`` waiting processes whose one poll makes ``calls_per_poll`` metadata
-    calls on the shared server: ``NEMO_SAFE_POLL_MAX``, else scaled (see above)."""
-    scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, processes * calls_per_poll / POLLS_PER_SECOND_BUDGET))
+    calls on the shared server: ``NEMO_SAFE_POLL_MAX``, else scaled (see above) on the mean pause."""
+    calls = processes * calls_per_poll / (POLLS_PER_SECOND_BUDGET * MEAN_PAUSE_AT_CAP)
+    scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, calls))
     return env_seconds(POLL_MAX_ENV, scaled)
 
 
@@ -91,6 +94,11 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = self.start
+
+    def set_cap(self, cap: float) -> None:
+        """Change the cap; a lower one applies from the next pause."""
+        self.cap = cap
+        self._next = min(self._next, cap)
 
     def delay(self, deadline: float) -> float:
         """The next pause, never past ``deadline`` (a ``time.monotonic()`` value)."""

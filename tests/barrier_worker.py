@@ -43,6 +43,9 @@ def main() -> int:
     p.add_argument("--store", help="HOST:PORT of a TCPStore to meet in instead of --dir")
     p.add_argument("--rank0-linger", type=float, default=0.0, help="rank 0 stays this long after releasing")
     p.add_argument("--sigusr1-handler", action="store_true", help="install a handler like Lightning's requeue one")
+    p.add_argument("--kill-ranks", type=lambda v: {int(r) for r in v.split(",")}, default=set(),
+                   help="these ranks SIGKILL themselves --kill-after seconds after entering")  # fmt: skip
+    p.add_argument("--kill-after", type=float, default=0.5)
     args = p.parse_args()
 
     ident = detect_identity()
@@ -76,6 +79,11 @@ def main() -> int:
         time.sleep(args.rank0_delay)
     code = 0
     started = time.monotonic()
+    if rank in args.kill_ranks:
+        import signal
+        import threading
+
+        threading.Timer(args.kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
     try:
         if args.open or args.grace is not None or args.store:
             return _open_barrier(args, ident, directory, world, marker, result, started)
@@ -84,7 +92,9 @@ def main() -> int:
             from contextlib import nullcontext
 
             ctx = nullcontext()
-        with ctx:
+        with ctx as barrier:
+            if barrier is not None and rank != 0:
+                result["reads"] = _reads(barrier)
             if rank == 0:
                 if args.rank0_fault == "hang":
                     time.sleep(3600)
@@ -103,6 +113,13 @@ def main() -> int:
     result["seconds"] = time.monotonic() - started
     print(json.dumps(result), flush=True)
     return code
+
+
+def _reads(barrier: Barrier) -> dict:
+    """How this rank read rank 0's state: its role and the reads of the shared state and of a node copy."""
+    ch = barrier.channel
+    return {"role": getattr(ch, "role", "flat"), "shared": getattr(ch, "shared_reads", barrier.polls),
+            "copy": getattr(ch, "copy_reads", 0)}  # fmt: skip
 
 
 def _open_barrier(args, ident, directory: str, world: int, marker: str, result: dict, started: float) -> int:
@@ -129,7 +146,10 @@ def _open_barrier(args, ident, directory: str, world: int, marker: str, result: 
             time.sleep(args.rank0_linger)
             return code
         else:
-            barrier.wait(grace=args.grace)
+            try:
+                barrier.wait(grace=args.grace)
+            finally:
+                result["reads"] = _reads(barrier)
             result["saw_marker"] = read_if_exists(marker) == MARKER_TEXT
     except RankZeroAbsent as exc:
         result.update(status="absent", error_type=type(exc).__name__, error=str(exc))

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from nemo_safe import node_copy
 from nemo_safe_tools.demo import read_results
 
 from procs import clean_env
@@ -63,9 +65,27 @@ def _old_log_dir(tmp: Path) -> dict[str, str]:
     return digests
 
 
-def test_resume_race_is_gone(slurm_cluster, tmp_path: Path) -> None:
+def _node_copies_of(log_dir: Path) -> list[dict]:
+    """The node copies (nemo_safe/node_copy.py) whose reader copied rank 0's outcome for ``log_dir``."""
+    folder = Path(node_copy.COPY_ROOT, f"nemo_safe-{os.getuid()}")
+    envelopes = []
+    for path in folder.iterdir() if folder.is_dir() else []:
+        try:  # other barriers' copies and temporaries may come and go meanwhile
+            envelopes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return [e for e in envelopes if ((e.get("state") or {}).get("payload") or {}).get("log_dir") == str(log_dir)]
+
+
+@pytest.mark.parametrize("copies", ["auto", "1"], ids=["defaults", "node_copies"])
+def test_resume_race_is_gone(slurm_cluster, tmp_path: Path, copies: str) -> None:
+    """The defaults (8 ranks: the flat barrier), and the same with one reader per node forced on (the
+    default from 45 ranks; this 2-node cluster shares one /dev/shm, so both readers write one copy)."""
     digests = _old_log_dir(tmp_path)
-    results = srun("race", tmp_path, "--rank0-delay", "6")
+    results = srun("race", tmp_path, "--rank0-delay", "6", NEMO_SAFE_NODE_COPY=copies)
+    copied = _node_copies_of(tmp_path / "log")
+    assert bool(copied) == (copies == "1"), copied
+    assert all(e["final"] and e["state"]["phase"] == "done" for e in copied), copied
     assert sorted(results) == list(range(8)), results
     assert all(r["status"] == "ok" for r in results.values()), results
     for rank in range(1, 8):
