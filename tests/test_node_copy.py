@@ -67,6 +67,28 @@ def test_one_reader_per_node_reads_the_shared_state(slurm_cluster, tmp_path: Pat
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("copies", ["1", "0"], ids=["node copies", "flat twin"])
+def test_each_node_with_its_own_dev_shm_follows_its_own_reader(slurm_cluster, tmp_path: Path, copies) -> None:
+    """The two slurmd "nodes" of this machine share one /dev/shm; here each node's tasks get their own (bound
+    over /dev/shm in a private mount namespace per task, one folder per SLURM_NODEID), as on a real cluster:
+    each node's followers follow their own node's reader, whose copy is the only one in that node's folder."""
+    shm = tmp_path / "shm"
+    own_shm = f'd={shm}/node$SLURM_NODEID && mkdir -p "$d" && mount --bind "$d" /dev/shm && exec "$@"'
+    per_node = ("unshare", "-m", "--propagation", "private", "sh", "-c", own_shm, "sh")
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    results, err = srun(meet, copies, "--work-seconds", "1.5", "--open", "--grace", "5", prefix=per_node)
+    assert sorted(results) == list(range(6)), err
+    _released_after_rank_zero(results, range(1, 6))
+    copies_by_node = {n: sorted((shm / n).glob(f"nemo_safe-{os.getuid()}/*")) for n in ("node0", "node1")}
+    if copies == "0":
+        assert copies_by_node == {"node0": [], "node1": []}, copies_by_node
+        return
+    assert [len(c) for c in copies_by_node.values()] == [1, 1], copies_by_node
+    assert all(results[r]["reads"]["copy"] >= 10 for r in FOLLOWERS), results
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("copies", ["1", "0"], ids=["node copies", "flat twin"])
 def test_private_dev_shm_per_task_falls_back_to_the_shared_state(slurm_cluster, tmp_path: Path, copies) -> None:
     """Each task in its own mount namespace with its own /dev/shm (a container per task): no follower finds a
     copy, so each reads the shared state itself, like the flat twin, and nobody waits longer."""
