@@ -35,6 +35,7 @@ from nemo_safe.barrier_channels import Arrival, Channel, FileChannel
 from nemo_safe.errors import ConfigurationError
 from nemo_safe.records import has_field_types, new_nonce
 from nemo_safe.waiting import poll_cap
+from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger("nemo_safe.barrier")
 
@@ -50,7 +51,6 @@ STALE_FLOOR, STALE_POLLS, STALE_MAX = 5.0, 4, 10.0
 #: Copies older than this are swept by the next reader on the node (tmpfs lives until reboot).
 SWEEP_AFTER = 24 * 3600.0
 _ENVELOPE = {"refreshed": (int, float), "stale_after": (int, float), "state": (dict, type(None)), "final": bool}
-_warned: set[str] = set()
 
 
 def copies_wanted(world_size: int, env: Mapping[str, str] | None = None) -> bool:
@@ -64,7 +64,7 @@ def copies_wanted(world_size: int, env: Mapping[str, str] | None = None) -> bool
     if raw in ("0", "off", "false", "no"):
         return False
     if raw not in ("", "auto"):
-        _warn_once(f"env:{raw}", "nemo_safe: %s=%r is not auto, 1 (on) or 0 (off); using auto (node copies "
+        warn_once(log, f"env:{raw}", "nemo_safe: %s=%r is not auto, 1 (on) or 0 (off); using auto (node copies "
                    "from %d ranks)", NODE_COPY_ENV, raw, AUTO_FROM_RANKS)  # fmt: skip
     return world_size >= AUTO_FROM_RANKS
 
@@ -95,7 +95,7 @@ def copy_folder(root: str = COPY_ROOT) -> str | None:
     try:
         root_st = os.stat(root)
         if root_st.st_mode & 0o002 and not root_st.st_mode & stat.S_ISVTX:
-            _warn_once(root, "nemo_safe: %s is writable by everyone without the sticky bit; no node copies "
+            warn_once(log, root, "nemo_safe: %s is writable by everyone without the sticky bit; no node copies "
                        "there (barrier ranks read the shared state)", root)  # fmt: skip
             return None
         try:
@@ -107,16 +107,10 @@ def copy_folder(root: str = COPY_ROOT) -> str | None:
         log.debug("nemo_safe: no node copies in %s (%s)", folder, exc)
         return None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        _warn_once(folder, "nemo_safe: %s is not a private folder of this user (a symlink, another owner, or "
+        warn_once(log, folder, "nemo_safe: %s is not a private folder of this user (a symlink, another owner, or "
                    "writable by others); barrier ranks read the shared state instead. Remove it.", folder)  # fmt: skip
         return None
     return folder
-
-
-def _warn_once(topic: str, message: str, *args: object) -> None:
-    if topic not in _warned:
-        _warned.add(topic)
-        log.warning(message, *args)
 
 
 def around(channel: Channel, rank: int, world_size: int, env: Mapping[str, str] | None = None) -> Channel:
@@ -211,7 +205,7 @@ class NodeCopy(Channel):
         try:
             publish(self.folder, os.path.basename(self.copy), json.dumps(body).encode())
         except OSError as exc:  # /dev/shm full, read-only or gone
-            _warn_once(f"write:{self.folder}", "nemo_safe: cannot write the node copy %s (%s); this node's "
+            warn_once(log, f"write:{self.folder}", "nemo_safe: cannot write the node copy %s (%s); this node's "
                        "ranks read the shared state", self.copy, exc)  # fmt: skip
             try:
                 os.unlink(self.copy)

@@ -19,6 +19,7 @@ from nemo_safe.barrier_channels import FileChannel
 from nemo_safe.barrier_state import STARTED_AT
 from nemo_safe.errors import BarrierTimeout
 from nemo_safe.waiting import POLL_MAX_ENV, POLL_MAX_FLOOR, poll_cap
+from nemo_safe.warn_once import forget
 
 from procs import WORKER, clean_env
 
@@ -144,7 +145,7 @@ def test_a_copy_folder_others_could_write_is_not_used(tmp_path: Path, caplog: py
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     folder.symlink_to(tmp_path / "elsewhere")
     caplog.clear()
-    node_copy._warned.clear()
+    forget(node_copy.log)
     assert node_copy.copy_folder(str(tmp_path)) is None
     assert "not a private folder" in caplog.text
     assert node_copy.copy_folder(str(tmp_path / "missing")) is None

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_safe import cluster_identity
+from nemo_safe import warn_once as once
 from nemo_safe.barrier import Barrier
 from nemo_safe.barrier_channels import Channel, FileChannel, StoreChannel, agent_store_address
 from nemo_safe.errors import ConfigurationError, RankZeroAbsent, RankZeroFailed
@@ -52,17 +52,10 @@ log = logging.getLogger(__name__)
 BARRIER_NAME = "exp_manager"
 DEFAULT_SECONDS_TO_SLEEP = 5.0
 
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
 
 def warn_once(topic: str, message: str, *args: Any) -> None:
-    """One warning per topic and process: a job of thousands of ranks logs it once per rank, not per call."""
-    with _warned_lock:
-        if topic in _warned:
-            return
-        _warned.add(topic)
-    log.warning(message, *args)
+    """One warning per topic and process (:func:`nemo_safe.warn_once.warn_once` on this module's logger)."""
+    once.warn_once(log, topic, message, *args)
 
 
 def meeting_dir(log_dir_parts: tuple[Any, ...], explicit_log_dir: Any) -> str:
