@@ -24,6 +24,7 @@ from nemo_safe.atomic_files import (
 )
 from nemo_safe.errors import ConfigurationError
 from nemo_safe.records import HIDDEN_DIRNAME, has_field_types, new_nonce
+from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger("nemo_safe.single_flight")
 
@@ -50,6 +51,13 @@ def lock_folder_usable(directory: str) -> bool:
     if not os.path.isdir(directory):
         return False  # upstream fails there (or creates it); nemo_safe creates no folders for it
     lock_dir = os.path.join(directory, LOCK_DIRNAME)
+    if os.path.lexists(lock_dir) and (os.path.islink(lock_dir) or not os.path.isdir(lock_dir)):
+        # A file, a symlink, a socket of that name: no lock can live there, and waiting on one could only
+        # end in a timeout. Upstream's code never looks at it.
+        warn_once(log, f"not-a-folder:{lock_dir}", "nemo_safe: %s is not a folder; running as upstream does (every "
+                  "process downloads, each file still written atomically). Remove it to get one download.",
+                  lock_dir)  # fmt: skip
+        return False
     # Nothing is created here: a process that finds the work done must leave no lock folder behind.
     where = lock_dir if os.path.isdir(lock_dir) else directory
     if not os.access(where, os.W_OK | os.X_OK | os.R_OK):  # also False on a read-only mount

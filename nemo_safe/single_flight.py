@@ -347,8 +347,8 @@ class SingleFlight:
         """Return once ``done()`` holds, having run ``job`` here or waited for the process that did."""
         while True:
             try:
-                with self.hold(done):
-                    if not done():
+                with self.hold(done) as leading:
+                    if leading and not done():  # a waiter got here because done() held: no second pass
                         job()
                 return
             except LeaderDeposed:

@@ -7,12 +7,16 @@ gentle on a shared metadata server when it is not.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
 import time
 
 from nemo_safe.errors import ConfigurationError
+from nemo_safe.warn_once import warn_once
+
+log = logging.getLogger("nemo_safe")
 
 DEFAULT_TIMEOUT = 1800.0
 TIMEOUT_ENV = "NEMO_SAFE_BARRIER_TIMEOUT"
@@ -46,23 +50,28 @@ def positive_seconds(what: str, value: object) -> float:
 def env_seconds(name: str, default: float) -> float:
     """The environment variable ``name`` as a finite, positive number of seconds; ``default`` when unset or empty.
 
-    Any other value (not a number, NaN, infinity, zero, negative) raises :class:`ConfigurationError`
-    naming the variable and its value."""
+    Any other value (not a number, NaN, infinity, zero, negative) gives one warning naming the variable
+    and its value, and ``default`` is used. A setting must never stop a job, or only those of its ranks
+    whose environment has the bad value, least of all work that needs no waiting at all (a complete
+    dataset); a NaN cap or timeout is never used (it would busy-poll or never expire)."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigurationError(
-            f"{name}={raw!r} is not a number of seconds; set a finite, positive number, or unset it "
-            f"for the default ({default:g} s)"
-        ) from None
+        value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(
-            f"{name}={raw!r} must be a finite, positive number of seconds (NaN, infinity, zero and negative "
-            f"values are refused); set one, or unset it for the default ({default:g} s)"
+        warn_once(
+            log,
+            f"env:{name}={raw}",
+            "nemo_safe: %s=%r is not a finite, positive number of seconds; using the default (%g s). Set a "
+            "number such as 600, or unset it.",
+            name,
+            raw,
+            default,
         )
+        return default
     return value
 
 

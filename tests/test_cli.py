@@ -56,5 +56,5 @@ def test_bad_arguments() -> None:
     assert _run("selftest", "--procs", "0").returncode == 2
     out = _run("selftest", "--dir", "/nonexistent/dir")
     assert out.returncode == 2 and "not an existing directory" in out.stderr
-    out = _run("selftest", "--procs", "2", **{"NEMO_SAFE_BARRIER_TIMEOUT": "soon"})
-    assert out.returncode == 1 and "NEMO_SAFE_BARRIER_TIMEOUT='soon' is not a number" in out.stderr
+    out = _run("selftest", "--procs", "2", **{"NEMO_SAFE_BARRIER_TIMEOUT": "soon"})  # warned, default used
+    assert out.returncode == 0 and "OK: every rank saw rank 0 finish first" in out.stdout, out

@@ -31,7 +31,7 @@ from nemo_safe.errors import LeaderDeposed
 from nemo_safe.patches import torchvision_mnist_upstream
 from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Replacements, SourceGate
-from nemo_safe.single_flight import SingleFlight
+from nemo_safe.single_flight import SingleFlight, lock_folder_usable
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,27 @@ def download_lock(folder: str) -> Iterator[None]:
     (:class:`~nemo_safe.errors.LeaderFailed`). The dataset is the one whose ``download()`` runs in this thread."""
     dataset = _downloading.dataset
     folder = os.path.abspath(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)  # upstream's download creates the raw folder below it anyway
+    except OSError:
+        pass
+    if not lock_folder_usable(folder):
+        yield  # a read-only root, a file where the lock folder goes: as upstream (and its own error)
+        return
     what = f"{type(dataset).__name__} download into {folder}"
-    with SingleFlight(folder, "download", what=what).hold(dataset._check_exists):
+    with SingleFlight(folder, flight_name(dataset), what=what).hold(dataset._check_exists):
         yield
+
+
+def flight_name(dataset: Any) -> str:
+    """One flight per set of files a ``download()`` fetches: QMNIST fetches only its subset's two files
+    (``what="test10k"`` and ``"test50k"`` share the test subset), so ``what="train"`` must neither wait for
+    nor fail with ``what="test"``. MNIST, FashionMNIST and KMNIST fetch every split, EMNIST one archive of
+    every split (and removes its ``raw/gzip`` afterwards): one flight per folder."""
+    subsets, chosen = getattr(type(dataset), "subsets", None), getattr(dataset, "what", None)
+    if isinstance(subsets, dict) and chosen in subsets:
+        return f"download-{subsets[chosen]}"
+    return "download"
 
 
 def validating_check_exists(original: Callable[[Any], bool], complete: Callable[[str], bool]) -> Callable[[Any], bool]:
