@@ -126,7 +126,8 @@ class HalfOpenMirror(LoopbackMirror):
 
 
 def _start_hub(url: str, dst: Path, prefix: str, home: Path, disable: bool) -> subprocess.Popen:
-    env = clean_env(TORCH_HOME=str(home), NEMO_SAFE_DISABLE="1" if disable else "0")
+    # The timeout: a waiter that took beats for work waited past it (the beats extended it).
+    env = clean_env(TORCH_HOME=str(home), NEMO_SAFE_DISABLE="1" if disable else "0", NEMO_SAFE_BARRIER_TIMEOUT="20")
     cmd = [sys.executable, WORKER, "--url", url, "--dst", str(dst), "--hash-prefix", prefix]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
