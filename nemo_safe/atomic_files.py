@@ -103,6 +103,7 @@ def listdir_if_exists(path: str) -> list[str] | None:
 
 def unlink_if_exists(path: str) -> None:
     """Remove a file this process created; already gone is fine."""
+    _own_temps.discard((os.getpid(), path))
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -218,11 +219,38 @@ def sweep_stale_temps(directory: str, max_age: float = 24 * 3600.0) -> list[str]
     return removed
 
 
+#: Temporaries of :func:`sibling_temp` this process may still be writing, with the pid that named them
+#: (a forked child inherits the set, not the files): what :func:`remove_own_temps` removes.
+_own_temps: set[tuple[int, str]] = set()
+
+
 def sibling_temp(final: str) -> str:
     """A fresh :func:`owned_temp_name` next to ``final``, after sweeping dead writers' leftovers there."""
     directory, name = os.path.split(final)
     sweep_stale_temps(directory)
-    return os.path.join(directory, owned_temp_name(name))
+    tmp = os.path.join(directory, owned_temp_name(name))
+    _own_temps.add((os.getpid(), tmp))
+    return tmp
+
+
+def remove_own_temps() -> list[str]:
+    """Remove the temporaries this process named with :func:`sibling_temp` and has not published or
+    removed yet (files, or folders an extraction staged in). For a process about to die of a signal:
+    on another host its leftovers would otherwise stay for :func:`sweep_stale_temps`' day. Returns them."""
+    pid, removed = os.getpid(), []
+    for owner, path in list(_own_temps):
+        _own_temps.discard((owner, path))
+        if owner != pid or not os.path.lexists(path):
+            continue
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 def seal(tmp: str, final: str) -> None:
@@ -233,6 +261,7 @@ def seal(tmp: str, final: str) -> None:
     finally:
         os.close(fd)
     replace_file(tmp, final)
+    _own_temps.discard((os.getpid(), tmp))
 
 
 def replace_file(src: str, dst: str) -> None:

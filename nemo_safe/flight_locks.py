@@ -33,11 +33,15 @@ LOCK_DIRNAME = HIDDEN_DIRNAME
 NO_LINK_ERRNOS = frozenset(
     e for e in (errno.EPERM, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", None), errno.EXDEV) if e
 )
-STATES = ("running", "failed", "done")
+#: ``abandoned``: the leader stopped without a verdict on the job (SIGTERM, Ctrl-C): take over at once.
+STATES = ("running", "failed", "done", "abandoned")
 #: Reading a lock-folder entry failed because it is no lock nemo_safe wrote (not a failing server).
 _NOT_A_LOCK_ERRNOS = frozenset((errno.EISDIR, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO))
 #: Field types of a lock file (all required); anything else was not written by nemo_safe.
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"beat": int, "host": str, "pid": int, "nonce": str}
+_REQUIRED: dict[str, type | tuple[type, ...]] = {"beat": int, "host": str, "pid": int, "nonce": str}
+#: ``progress`` (beats at which the job's thread had advanced) and ``idle`` (beats since it last did):
+#: absent from locks of versions that did not measure progress.
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {**_REQUIRED, "progress": int, "idle": int}
 _UNREADABLE: dict[str, Any] = {"state": "unreadable"}
 #: Lock folders whose filesystem refused a hard link (asked once per process and folder).
 _NO_LINKS: dict[str, bool] = {}
@@ -70,7 +74,7 @@ def _validated(info: Any) -> dict[str, Any] | None:
     """A lock file's content as nemo_safe writes it, or None."""
     if not isinstance(info, dict) or info.get("state") not in STATES:
         return None
-    return info if has_field_types(info, _FIELD_TYPES, required=_FIELD_TYPES) else None
+    return info if has_field_types(info, _FIELD_TYPES, required=_REQUIRED) else None
 
 
 class FlightLocks:

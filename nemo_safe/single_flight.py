@@ -13,24 +13,44 @@ whose exclusive create carries a verifier) elects the leader instead. No file lo
 * The leader re-checks ``done()`` after winning (someone may just have
   finished), runs the job, and rewrites its lock file every second with a
   growing ``beat`` so that waiters can tell it is alive without trusting mtimes
-  (GPFS mtimes lag) or clocks of other hosts.
+  (GPFS mtimes lag) or clocks of other hosts. Each beat also counts whether the
+  thread running the job advanced (:mod:`nemo_safe.thread_progress`: its I/O,
+  CPU time, sleeps ended, Python position): ``progress``, and ``idle``, the beats
+  since it last did. Liveness is progress, not presence.
 * Success: the lock files are removed; waiters see ``done()`` and return.
   Failure: the lock says ``failed`` with the error, and every process that saw
   that leader running raises :class:`LeaderFailed` with its message. A process
   that only finds an old failure leads a new attempt instead.
-* A leader killed with ``kill -9`` is stale when its beat stops for
-  ``NEMO_SAFE_STALE_AFTER`` seconds (default 30), or after a few missed beats
-  when it ran on this host, in this pid namespace, and its pid is gone. Silence
-  is counted only across this waiter's own successful, timely reads: its own
-  stall or failed reads (an NFS failover) are not the leader's silence. Then the
-  next generation's lock is created, again by exactly one process; locks are
-  never stolen by deleting.
+* A leader alive but stuck (its job blocked in ``recv`` on a half-open socket,
+  ``urlopen`` has no timeout, or in a hung NFS call) beats on without progress:
+  once it has been idle for :data:`PROGRESS_LIMIT` (10 s, by its own count of
+  beats), each waiter does what upstream would have done, with one warning
+  naming it: it runs the job itself, unordered, without the lock (the stuck
+  leader may yet come back: every file the patched libraries write is
+  published atomically under a per-writer temporary name, so two writers are
+  safe; ``hold()`` yields True without leading). Such a leader never makes a
+  waiter raise :class:`WaitTimeout`.
+* A leader killed by SIGTERM (``scancel``, preemption, torchrun's teardown),
+  where SIGTERM's handler is the default, marks its lock ``abandoned`` and
+  removes its temporaries before it dies of the signal (exit status as
+  upstream's, see :mod:`nemo_safe.term_signal`): waiters on every host take
+  over at their next poll. Ctrl-C and exceptions a handler raises do the same
+  on their way out.
+* A leader killed with ``kill -9``, or stopped whole (SIGSTOP, its host gone),
+  is stale when its beat stops for ``NEMO_SAFE_STALE_AFTER`` seconds (default
+  15; 30 before a stuck job was told apart by its progress: a beat now stops
+  only when the whole process does, and one that comes back late is deposed
+  safely), or after a few missed beats when it ran on this host, in this pid
+  namespace, and its pid is gone. Silence is counted only across this waiter's
+  own successful, timely reads: its own stall or failed reads (an NFS failover)
+  are not the leader's silence. Then the next generation's lock is created,
+  again by exactly one process; locks are never stolen by deleting.
 * A leader that was only slow (stopped, swapped out) and finds a newer
   generation is *deposed*: :func:`check_still_leading`, called before anything
   is published (the torchvision patches do), raises :class:`LeaderDeposed`; its
   job's error is then not published, and it waits for the new leader instead.
-* Waiters time out on silence, not on work: every new beat restarts their
-  timeout, so a slow download is never reported as a hung one.
+* Waiters time out on standstill, not on work: every new ``progress`` count
+  restarts their timeout, so a slow download is never reported as a hung one.
 * Files in the lock folder that nemo_safe cannot have written (other users can
   write shared folders) are ignored with a warning, never trusted.
 * Nobody gets a head start, rank 0 included: a process that needs what rank 0 never
@@ -48,6 +68,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -58,6 +79,8 @@ from nemo_safe.atomic_files import pid_alive, unlink_if_exists
 from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, NemoSafeError, WaitTimeout
 from nemo_safe.flight_locks import LOCK_DIRNAME, FlightLocks, lock_folder_usable
+from nemo_safe.term_signal import released_on_sigterm
+from nemo_safe.thread_progress import ThreadProgress
 from nemo_safe.waiting import (
     POLL_MAX_ENV,
     Backoff,
@@ -73,8 +96,20 @@ __all__ = ["LOCK_DIRNAME", "SingleFlight", "check_still_leading", "lock_folder_u
 log = logging.getLogger(__name__)
 
 STALE_AFTER_ENV = "NEMO_SAFE_STALE_AFTER"
-DEFAULT_STALE_AFTER = 30.0
+#: A leader whose beat stopped this long is dead or frozen whole (kill -9, SIGSTOP, its host gone).
+#: 15 beats: a live leader's beat stops only when its process is stopped or its writes hang, and one
+#: that comes back after the limit is deposed safely (:class:`LeaderDeposed`); a live leader whose
+#: job is stuck keeps beating and is handled by :data:`PROGRESS_LIMIT` instead.
+DEFAULT_STALE_AFTER = 15.0
 HEARTBEAT = 1.0
+#: Seconds a beating leader's job may show no progress (:mod:`nemo_safe.thread_progress`: no I/O, no CPU,
+#: no sleep ended, no Python step) before its waiters do the job themselves, unordered, as without
+#: nemo_safe. A download, an md5 pass or an extraction advances every second; 10 s without any of it
+#: is a call that will not return (a half-open socket, a hung NFS call), or one that costs little to
+#: double (a slow first byte). Never more than the stale limit.
+PROGRESS_LIMIT = 10.0
+#: How long the final beat may take to be written when the leader is interrupted (SIGTERM).
+ABANDON_JOIN = 2.0
 #: Missed beats after which a same-host leader whose pid is gone counts as dead.
 DEAD_PID_BEATS = 3
 #: A waiter's own pause between two successful reads longer than this (or than a third of the
@@ -155,12 +190,14 @@ class _Watch:
         self.generation = generation
         self.own_stall = min(OWN_STALL, stale_after / 3)
         self.beat: Any = None
-        self.changed_at = time.monotonic()
+        self.progress: Any = None
+        self.changed_at = self.progressed_at = time.monotonic()
         self.read_at = self.changed_at
         self.saw_running = False
 
     def observe(self, info: dict[str, Any]) -> bool:
-        """Record one successful read; True when the leader showed life since the last one."""
+        """Record one successful read; True when the leader's job progressed since the last one (a lock
+        of a version that did not measure progress: when it beat)."""
         now = time.monotonic()
         if now - self.read_at > self.own_stall:
             self.changed_at = now  # we were away (stalled, or our reads failed): we saw no silence
@@ -170,8 +207,16 @@ class _Watch:
         if info.get("beat") != self.beat:
             self.beat = info.get("beat")
             self.changed_at = now
+        progress = info.get("progress", info.get("beat"))
+        if progress != self.progress:
+            self.progress, self.progressed_at = progress, now
             return True
         return False
+
+    def standstill(self, info: dict[str, Any]) -> float:
+        """Seconds the leader's job showed no progress: by the leader's own count of idle beats, or
+        since this waiter last saw its progress counter change, whichever is longer."""
+        return max(info.get("idle", 0) * HEARTBEAT, time.monotonic() - self.progressed_at)
 
     def frozen_for(self) -> float:
         return time.monotonic() - self.changed_at
@@ -179,36 +224,56 @@ class _Watch:
 
 #: What :meth:`SingleFlight._look` returns while neither done nor elected.
 _KEEP_WAITING = -1
+#: What it returns when the leader beats but its job is stuck: run the job here, without the lock.
+_UNORDERED = -2
+
+
+def _block_sigterm() -> None:
+    """Keep SIGTERM off this (helper) thread: the main thread, which handles it, must be interrupted."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
 class _Heartbeat:
     """The leader's sign of life: its lock rewritten every :data:`HEARTBEAT` seconds with a growing
-    ``beat``, until stopped, or until it finds that another process took the flight over."""
+    ``beat``, until stopped, or until it finds that another process took the flight over. Each beat
+    also says whether the thread running the job advanced (``progress``, ``idle``): a beat proves
+    the process alive, not its job."""
 
     def __init__(self, flight: SingleFlight, generation: int) -> None:
         self.flight = flight
         self.generation = generation
         self.count = 0
+        #: Beats at which the job's thread had advanced, and beats since it last did.
+        self.progress = self.idle = 0
+        self._job = ThreadProgress(threading.current_thread())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"nemo_safe-heartbeat-{flight.name}")
         self._thread.start()
 
     def _run(self) -> None:
+        _block_sigterm()
         locks = self.flight.locks
         while not self._stop.wait(HEARTBEAT):
             self.count += 1
+            if self._job.advanced():
+                self.progress, self.idle = self.progress + 1, 0
+            else:
+                self.idle += 1
             try:
                 if not locks.still_holds(self.generation):
                     self.flight._deposed.set()  # stalled past the limit and replaced: stop beating
                     return
-                locks.publish(self.generation, locks.info("running", self.count))
+                body = locks.info("running", self.count, progress=self.progress, idle=self.idle)
+                if not self._stop.is_set():
+                    locks.publish(self.generation, body)
             except OSError as exc:
                 log.warning("nemo_safe: %s: heartbeat failed: %s", self.flight.what, exc)
 
-    def stop(self) -> int:
+    def stop(self, timeout: float | None = None) -> int:
         """Stop beating; the beat number the leader's next (final) record carries."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout)
         return self.count + 1
 
 
@@ -236,10 +301,13 @@ class SingleFlight:
             if stale_after is None
             else positive_seconds(f"{self.what}: stale_after", stale_after)
         )
+        self.progress_limit = min(PROGRESS_LIMIT, self.stale_after)
         #: A waiter's poll cap: as the barrier's, for the launcher's world size (every rank may wait here).
         self.poll_max = _poll_cap() if poll_max is None else positive_seconds(f"{self.what}: poll_max", poll_max)
         #: True when this process ran the job (tests and the demo report it).
         self.led = False
+        #: True when it ran the job without the lock, its leader stuck (see :data:`PROGRESS_LIMIT`).
+        self.unordered = False
         self._generation: int | None = None  # the generation this process leads
         self._deposed = threading.Event()
 
@@ -277,20 +345,29 @@ class SingleFlight:
         _leading.flight = self
         log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
         try:
-            yield
+            with released_on_sigterm(lambda: self._abandon(generation, beat)):
+                yield
             self._check_not_deposed()
         except Exception as exc:
             self._record_failure(generation, beat.stop(), exc)
             raise
         except BaseException:
-            # Interrupted (SIGTERM, Ctrl-C): not a verdict on the job, so let another process take over.
-            beat.stop()
-            unlink_if_exists(os.path.join(self.lock_dir, self.locks.lock_name(generation)))
+            # Interrupted (Ctrl-C, a SIGTERM handler's exception): no verdict on the job, so the others take over now.
+            self._abandon(generation, beat)
             raise
         finally:
             _leading.flight = None
             self._generation = None
         self._record_success(generation, beat.stop())
+
+    def _abandon(self, generation: int, beat: _Heartbeat) -> None:
+        """Mark the lock abandoned (still ours): waiters on every host take over at their next look."""
+        final_beat = beat.stop(ABANDON_JOIN)
+        try:
+            if self.locks.still_holds(generation):
+                self.locks.publish(generation, self.locks.info("abandoned", final_beat))
+        except OSError:
+            unlink_if_exists(os.path.join(self.lock_dir, self.locks.lock_name(generation)))
 
     def _record_failure(self, generation: int, beat: int, exc: Exception) -> None:
         """The job raised: record it for the waiters, unless this process was deposed meanwhile."""
@@ -377,13 +454,19 @@ class SingleFlight:
             return
         held.add(key)
         try:
-            with self._lead(generation):
-                yield True
+            if generation == _UNORDERED:  # the leader is stuck: as without nemo_safe, nothing recorded
+                self.led = self.unordered = True
+                with released_on_sigterm(lambda: None):  # its temporaries, if SIGTERM ends it
+                    yield True
+            else:
+                with self._lead(generation):
+                    yield True
         finally:
             held.discard(key)
 
     def _wait(self, done: Callable[[], bool]) -> int | None:
-        """None once ``done()`` holds; the generation this process won the lock of, when it must lead."""
+        """None once ``done()`` holds; the generation this process won the lock of, when it must lead;
+        :data:`_UNORDERED` when it must run the job without the lock (its leader is stuck)."""
         waiting = _Waiting(self)
         while True:
             if done():
@@ -395,7 +478,7 @@ class SingleFlight:
 
 class _Waiting:
     """One process's wait in :meth:`SingleFlight.hold`: its deadline (extended by each sign of the
-    leader's life), its poll schedule and what it has seen of the current leader."""
+    leader's progress, not by its mere beat), its poll schedule and what it has seen of the current leader."""
 
     def __init__(self, flight: SingleFlight) -> None:
         self.flight = flight
@@ -440,7 +523,7 @@ class _Waiting:
             self.watch = _Watch(current, f.stale_after)
         watch = self.watch
         if info and watch.observe(info):
-            self.deadline = max(self.deadline, time.monotonic() + f.timeout)  # the timeout is for silence
+            self.deadline = max(self.deadline, time.monotonic() + f.timeout)  # the timeout is for standstill
         state = info.get("state")
         if state == "failed" and watch.saw_running:
             raise LeaderFailed(
@@ -449,10 +532,10 @@ class _Waiting:
                 str(info.get("error_type", "")),
                 str(info.get("error", "")),
             )
-        if state in ("failed", "done") or (info and f._is_stale(info, watch)):
-            # An earlier attempt's failure, a leader whose job did not cover this process,
-            # a dead leader or a file that is no lock: one process starts the next generation.
-            if state not in ("failed", "done", "foreign"):
+        if state in ("failed", "done", "abandoned") or (info and f._is_stale(info, watch)):
+            # An earlier attempt's failure, a leader whose job did not cover this process, one
+            # interrupted, a dead leader or a file that is no lock: one process starts the next generation.
+            if state not in ("failed", "done", "foreign", "abandoned"):
                 log.warning(
                     "nemo_safe: %s: the process doing it (host %s, pid %s) stopped answering for %.0f s; taking over",
                     f.what, info.get("host"), info.get("pid"), watch.frozen_for(),
@@ -463,6 +546,15 @@ class _Waiting:
                 return current + 1
             self.backoff.sleep(self.deadline)  # another process took over first
             return _KEEP_WAITING
+        idle = info.get("idle", 0) * HEARTBEAT if state == "running" else 0.0
+        beating = state == "running" and watch.frozen_for() < DEAD_PID_BEATS * HEARTBEAT
+        if idle >= f.progress_limit or (beating and time.monotonic() > self.deadline):
+            log.warning(
+                "nemo_safe: %s: the process doing it (host %s, pid %s) is alive but its work made no progress "
+                "for %.0f s (stuck in a call that does not return?); doing it here too, without waiting for it, "
+                "as without nemo_safe", f.what, info.get("host"), info.get("pid"), watch.standstill(info),
+            )  # fmt: skip
+            return _UNORDERED
         if time.monotonic() > self.deadline:
             raise WaitTimeout(
                 f"{f.what}: waited {self.progress.elapsed:.0f} s for the process doing it (host "

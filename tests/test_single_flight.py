@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,69 @@ def test_waiters_of_a_spawned_job_poll_as_a_small_job(tmp_path: Path, monkeypatc
         assert SingleFlight(tmp_path, "job").poll_max == pytest.approx(0.05)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_beating_leader_stuck_in_recv_makes_a_waiter_run_the_job_not_time_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leader (here a thread of this process) whose job blocks in ``recv`` on a silent connection beats
+    on without progress. A waiter whose timeout (2 s) is shorter than the progress limit does not raise
+    WaitTimeout at it: it runs the job itself, unordered (no lock of its own, nothing recorded), with
+    one warning naming the leader; the lock stays the stuck leader's."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    made = tmp_path / "made"
+    leading = threading.Event()
+
+    def stuck_job() -> None:
+        leading.set()
+        client.recv(1)  # nothing ever comes until the test sends it
+
+    leader = threading.Thread(target=SingleFlight(tmp_path, "job").run, args=(stuck_job, made.exists), daemon=True)
+    waiter = SingleFlight(tmp_path, "job", timeout=2)
+    seen: dict[str, object] = {}
+
+    def wait() -> None:
+        started = time.monotonic()
+        with waiter.hold(made.exists) as runs_here:
+            seen.update(runs_here=runs_here, locks=sorted(p.name for p in (tmp_path / LOCK_DIRNAME).iterdir()))
+            made.write_text("x")
+        seen["took"] = time.monotonic() - started
+
+    leader.start()
+    try:
+        assert leading.wait(30)
+        with caplog.at_level(logging.WARNING, logger="nemo_safe"):
+            waiting = threading.Thread(target=wait, daemon=True)
+            waiting.start()
+            waiting.join(30)  # hang guard: a waiter that trusts beats waits as long as the leader is stuck
+            assert not waiting.is_alive(), "the waiter is still waiting for the stuck leader"
+        assert seen["runs_here"] and waiter.unordered and seen["locks"] == ["job.0"], seen
+        assert 2 <= seen["took"] < 2 + 5, seen
+        warnings = [r.getMessage() for r in caplog.records if "made no progress" in r.getMessage()]
+        assert len(warnings) == 1 and f"pid {os.getpid()})" in warnings[0], warnings
+        lock = json.loads((tmp_path / LOCK_DIRNAME / "job.0").read_text())
+        assert lock["state"] == "running" and lock["idle"] >= 1, lock
+    finally:
+        peer.sendall(b"x")  # the stuck job returns; the leader finds done() and cleans up
+        leader.join(30)
+        for sock in (client, peer, server):
+            sock.close()
+    assert not leader.is_alive()
+
+
+def test_sigterm_handler_is_installed_only_over_the_default_and_only_while_leading(tmp_path: Path) -> None:
+    """A lead in the main thread handles SIGTERM where the handler was the default and restores it after;
+    a Python handler (Lightning's, the user's) or SIG_IGN is left alone."""
+    seen = []
+    for previous in (signal.SIG_DFL, signal.SIG_IGN, lambda signum, frame: None):
+        old = signal.signal(signal.SIGTERM, previous)
+        try:
+            with SingleFlight(tmp_path, "job").hold(lambda: False) as leading:
+                assert leading
+                seen.append(signal.getsignal(signal.SIGTERM) is previous)
+            assert signal.getsignal(signal.SIGTERM) is previous
+        finally:
+            signal.signal(signal.SIGTERM, old)
+    assert seen == [False, True, True]
