@@ -268,8 +268,7 @@ def replace_file(src: str, dst: str) -> None:
     """``os.replace``, except where the folder forbids replacing ``dst`` but ``dst`` may be written:
     a sticky shared folder (``+t``) with another user's group- or world-writable file. Upstream
     rewrites such a file in place ("wb"), so that is done here too, with a warning: the job works
-    as upstream's does, without the atomicity nemo_safe adds elsewhere. Across filesystems (``dst``
-    behind a symlink to another disk) it is copied to a temporary next to ``dst`` and renamed there."""
+    as upstream's does, without the atomicity nemo_safe adds elsewhere."""
     try:
         os.replace(src, dst)
     except PermissionError:
@@ -282,56 +281,6 @@ def replace_file(src: str, dst: str) -> None:
         )
         shutil.copyfile(src, dst)
         os.unlink(src)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        _copy_across(src, dst, replace=True)
-
-
-def _copy_owners(src: str, copy: str) -> None:
-    """Give ``copy`` (a tree) the owners of ``src``, as extraction gave them (only root can, as upstream)."""
-    pairs = [(src, copy)]
-    if os.path.isdir(src) and not os.path.islink(src):
-        for top, dirs, files in os.walk(src):
-            rel = os.path.relpath(top, src)
-            pairs += [(os.path.join(top, n), os.path.join(copy, rel, n)) for n in dirs + files]
-    for original, copied in pairs:
-        st = os.lstat(original)
-        try:
-            os.lchown(copied, st.st_uid, st.st_gid)
-        except PermissionError:
-            return  # not root: the copy is this user's, as upstream's extraction would have made it
-
-
-def _copy_across(src: str, dst: str, replace: bool) -> bool:
-    """Move ``src`` to ``dst`` on another filesystem: copied to a temporary next to ``dst``, renamed there
-    (atomic on ``dst``'s filesystem), then ``src`` removed. A directory is only moved where ``dst`` does
-    not exist (``replace`` False); returns False where it does."""
-    if not replace and os.path.lexists(dst):
-        return False
-    tmp = sibling_temp(dst)
-    try:
-        if os.path.isdir(src) and not os.path.islink(src):
-            shutil.copytree(src, tmp, symlinks=True)
-        else:
-            shutil.copy2(src, tmp, follow_symlinks=False)
-        _copy_owners(src, tmp)
-        if replace:
-            os.replace(tmp, dst)
-        elif os.path.lexists(dst):
-            return False
-        else:
-            os.rename(tmp, dst)
-    finally:
-        if os.path.isdir(tmp) and not os.path.islink(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            unlink_if_exists(tmp)
-    if os.path.isdir(src) and not os.path.islink(src):
-        shutil.rmtree(src)
-    else:
-        os.unlink(src)
-    return True
 
 
 def _raise(exc: OSError) -> None:
@@ -362,8 +311,9 @@ _warned_outside: set[str] = set()
 def _check_inside(path: str, root: str) -> None:
     """Write below ``path`` only where it is a directory. Checked archive members never lead out of the
     destination ``root`` (a real path), so a symlink in ``path`` that does was already there before this
-    extraction (the user put the data on another disk): it is written through, as upstream extracts, with
-    one warning."""
+    extraction (the user put the data in another folder): it is written through, as upstream extracts, with
+    one warning (where it leads to another filesystem the renames fail with EXDEV, and the caller extracts
+    as upstream does instead)."""
     real = os.path.realpath(path)
     if os.path.commonpath([real, root]) != root and root not in _warned_outside:
         _warned_outside.add(root)
@@ -394,10 +344,7 @@ def _move_new_dir(src: str, dst: str) -> bool:
     except OSError as exc:
         if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
             return False
-        if exc.errno != errno.EXDEV:
-            raise
-        if not _copy_across(src, dst, replace=False):
-            return False
+        raise
     if not mode & stat.S_IWUSR:
         os.chmod(dst, mode)
     return True
@@ -409,9 +356,9 @@ def merge_tree(staging: str, dest: str, expected: Iterable[str] = ()) -> None:
     A directory ``dest`` lacks is renamed into place whole: it appears complete, with the mode,
     owner and times extraction gave it (as upstream's in-place extraction leaves them). Into an
     existing directory, which keeps its mode, each entry is renamed (atomic). A symlink leading out
-    of ``dest`` that was there before is written through, as upstream does. Raises FileNotFoundError when
-    ``staging`` lost any ``expected`` path or anything while moving, instead of returning with a
-    partial tree published."""
+    of ``dest`` that was there before is written through, as upstream does; where it leads to another
+    filesystem the rename raises ``OSError(EXDEV)``. Raises FileNotFoundError when ``staging`` lost any
+    ``expected`` path or anything while moving, instead of returning with a partial tree published."""
     _check_complete(staging, expected)
     root = os.path.realpath(dest)
     try:

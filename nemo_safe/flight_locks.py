@@ -55,9 +55,9 @@ def lock_folder_usable(directory: str) -> bool:
     if not os.path.isdir(directory):
         return False  # upstream fails there (or creates it); nemo_safe creates no folders for it
     lock_dir = os.path.join(directory, LOCK_DIRNAME)
-    if os.path.lexists(lock_dir) and (os.path.islink(lock_dir) or not os.path.isdir(lock_dir)):
-        # A file, a symlink, a socket of that name: no lock can live there, and waiting on one could only
-        # end in a timeout. Upstream's code never looks at it.
+    if os.path.lexists(lock_dir) and not os.path.isdir(lock_dir):
+        # A file, a FIFO, a dangling symlink of that name: no lock can live there, and waiting on one could
+        # only end in a timeout. Upstream's code never looks at it.
         warn_once(log, f"not-a-folder:{lock_dir}", "nemo_safe: %s is not a folder; running as upstream does (every "
                   "process downloads, each file still written atomically). Remove it to get one download.",
                   lock_dir)  # fmt: skip

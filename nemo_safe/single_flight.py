@@ -83,6 +83,7 @@ from nemo_safe.term_signal import released_on_sigterm
 from nemo_safe.thread_progress import ThreadProgress
 from nemo_safe.waiting import (
     POLL_MAX_ENV,
+    POLL_MIN,
     Backoff,
     Progress,
     env_seconds,
@@ -102,6 +103,8 @@ STALE_AFTER_ENV = "NEMO_SAFE_STALE_AFTER"
 #: job is stuck keeps beating and is handled by :data:`PROGRESS_LIMIT` instead.
 DEFAULT_STALE_AFTER = 15.0
 HEARTBEAT = 1.0
+#: Shortest stale limit a setting may ask for: two beats (a smaller one takes over from every live leader).
+MIN_STALE_AFTER = 2 * HEARTBEAT
 #: Seconds a beating leader's job may show no progress (:mod:`nemo_safe.thread_progress`: no I/O, no CPU,
 #: no sleep ended, no Python step) before its waiters do the job themselves, unordered, as without
 #: nemo_safe. A download, an md5 pass or an extraction advances every second; 10 s without any of it
@@ -178,7 +181,7 @@ def _poll_cap() -> float:
     """The barrier's poll cap for the job's size (every rank may wait on one shared root)."""
     size = _job_size()
     if size is None:
-        return env_seconds(POLL_MAX_ENV, POLL_CAP_UNKNOWN_JOB)
+        return env_seconds(POLL_MAX_ENV, POLL_CAP_UNKNOWN_JOB, minimum=POLL_MIN)
     return poll_cap(size, CALLS_PER_POLL)
 
 
@@ -186,9 +189,10 @@ class _Watch:
     """What a waiter has seen of one generation's leader. Silence is counted between this
     waiter's own successful reads only, so its own stalls never look like the leader's."""
 
-    def __init__(self, generation: int, stale_after: float) -> None:
+    def __init__(self, generation: int, stale_after: float, poll_max: float) -> None:
         self.generation = generation
-        self.own_stall = min(OWN_STALL, stale_after / 3)
+        # At least two polls: a waiter's own pause between two reads is not the leader's silence.
+        self.own_stall = max(min(OWN_STALL, stale_after / 3), 2 * poll_max)
         self.beat: Any = None
         self.progress: Any = None
         self.changed_at = self.progressed_at = time.monotonic()
@@ -297,7 +301,7 @@ class SingleFlight:
         self.lock_dir = self.locks.lock_dir
         self.timeout = timeout_or_default(self.what, timeout)
         self.stale_after = (
-            env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER)
+            env_seconds(STALE_AFTER_ENV, DEFAULT_STALE_AFTER, minimum=MIN_STALE_AFTER)
             if stale_after is None
             else positive_seconds(f"{self.what}: stale_after", stale_after)
         )
@@ -520,7 +524,7 @@ class _Waiting:
         leader's failure, take over from a dead or finished one, or wait on."""
         f = self.flight
         if self.watch is None or self.watch.generation != current:
-            self.watch = _Watch(current, f.stale_after)
+            self.watch = _Watch(current, f.stale_after, f.poll_max)
         watch = self.watch
         if info and watch.observe(info):
             self.deadline = max(self.deadline, time.monotonic() + f.timeout)  # the timeout is for standstill

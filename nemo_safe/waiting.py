@@ -47,13 +47,15 @@ def positive_seconds(what: str, value: object) -> float:
     return seconds
 
 
-def env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float, minimum: float = 0.0) -> float:
     """The environment variable ``name`` as a finite, positive number of seconds; ``default`` when unset or empty.
 
     Any other value (not a number, NaN, infinity, zero, negative) gives one warning naming the variable
     and its value, and ``default`` is used. A setting must never stop a job, or only those of its ranks
     whose environment has the bad value, least of all work that needs no waiting at all (a complete
-    dataset); a NaN cap or timeout is never used (it would busy-poll or never expire)."""
+    dataset); a NaN cap or timeout is never used (it would busy-poll or never expire). A value below
+    ``minimum`` (where smaller ones break the mechanism, e.g. a stale limit shorter than two beats)
+    warns once and ``minimum`` is used."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -72,6 +74,9 @@ def env_seconds(name: str, default: float) -> float:
             default,
         )
         return default
+    if value < minimum:
+        warn_once(log, f"env:{name}={raw}", "nemo_safe: %s=%r is below its minimum; using %g s", name, raw, minimum)
+        return minimum
     return value
 
 
@@ -85,7 +90,7 @@ def poll_cap(processes: int, calls_per_poll: int = 1) -> float:
     calls on the shared server: ``NEMO_SAFE_POLL_MAX``, else scaled (see above) on the mean pause."""
     calls = processes * calls_per_poll / (POLLS_PER_SECOND_BUDGET * MEAN_PAUSE_AT_CAP)
     scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, calls))
-    return env_seconds(POLL_MAX_ENV, scaled)
+    return env_seconds(POLL_MAX_ENV, scaled, minimum=POLL_MIN)
 
 
 def timeout_or_default(what: str, timeout: object) -> float:

@@ -30,7 +30,7 @@ from test_torchvision_downloads import mnist
 
 import nemo_safe
 from nemo_safe.single_flight import DEFAULT_STALE_AFTER, STALE_AFTER_ENV
-from nemo_safe.waiting import DEFAULT_TIMEOUT, POLL_MAX_ENV, POLL_MAX_FLOOR, TIMEOUT_ENV
+from nemo_safe.waiting import DEFAULT_TIMEOUT, POLL_MAX_ENV, POLL_MAX_FLOOR, POLL_MIN, TIMEOUT_ENV
 
 from faulty_mirror import Faults, FaultyMirror
 from procs import clean_env, torchrun_env
@@ -98,6 +98,16 @@ def test_bad_seconds_warn_once_and_take_the_default(variable: str, reader: str, 
     assert res["status"] == "accepted", res
     assert res[FIELD[variable]] == DEFAULTS[reader][FIELD[variable]], res
     assert out.stderr.count(f"{variable}={value!r} is not a finite, positive number") == 1, out.stderr
+
+
+def test_seconds_below_a_minimum_take_the_minimum() -> None:
+    """A stale limit shorter than two beats took over from every live leader (83 downloads instead of one);
+    a poll cap below the poll floor busy-polls: each warns once and the minimum is used."""
+    res, out = run_script(CONSTRUCT, "single_flight", timeout=60, NEMO_SAFE_STALE_AFTER="1e-9")
+    assert res["status"] == "accepted" and res["stale_after"] == 2.0, res
+    assert out.stderr.count("NEMO_SAFE_STALE_AFTER='1e-9' is below its minimum") == 1, out.stderr
+    res, out = run_script(CONSTRUCT, "barrier", timeout=60, NEMO_SAFE_POLL_MAX="1e-9")
+    assert res["status"] == "accepted" and res["poll_max"] == POLL_MIN, res
 
 
 def test_good_seconds_accepted() -> None:

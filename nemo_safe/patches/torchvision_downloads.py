@@ -34,6 +34,7 @@ the md5 before the file is published.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import inspect
 import logging
@@ -52,6 +53,7 @@ from nemo_safe.patches import torchvision_upstream
 from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Replacements, SourceGate
 from nemo_safe.single_flight import check_still_leading
+from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +196,48 @@ def extract_zip_listed(original: Callable[..., None]) -> Callable[..., None]:
     return extract
 
 
+def in_place_across_filesystems(atomic: Callable[..., None], upstream: Callable[..., None]) -> Callable[..., None]:
+    """The atomic extractor, except where the destination holds a symlink (the user's: checked members never
+    make one) leading to another filesystem, e.g. ``root/cifar-10-batches-py`` on a scratch disk. Staging on
+    the root's disk and renaming across cannot work there (EXDEV), and the root's disk may be the small one
+    the user moved the data away from; so the archive is extracted in place by ``upstream``'s extractor, as
+    without nemo_safe, with one warning. Checked up front for the destination's own entries; a deeper link
+    is met when the first rename fails, and the extraction is then redone in place (never a failure after
+    the work)."""
+
+    @functools.wraps(atomic)
+    def extract(from_path: Any, to_path: Any, compression: str | None) -> None:
+        dest = os.fspath(to_path or os.curdir)
+        if not _links_to_another_filesystem(dest):
+            try:
+                return atomic(from_path, to_path, compression)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+        warn_once(log, f"across:{os.path.abspath(dest)}", "nemo_safe: a symlink in %s leads to another filesystem; "
+                  "extracting %s in place, as upstream does (its files not atomic)", dest, from_path)  # fmt: skip
+        upstream(from_path, dest, compression)
+
+    return extract
+
+
+def _links_to_another_filesystem(dest: str) -> bool:
+    """Whether an entry of ``dest`` is a symlink to another filesystem (one listing, a stat per symlink)."""
+    try:
+        device = os.stat(dest).st_dev
+        with os.scandir(dest) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    try:
+                        if os.stat(entry.path).st_dev != device:
+                            return True
+                    except OSError:
+                        continue  # dangling: the extraction meets it as upstream's would
+    except OSError:
+        pass  # no destination yet: the extractor creates it
+    return False
+
+
 def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
     """Wrap ``download_url`` so that the download it starts knows the md5 before publishing."""
 
@@ -228,7 +272,8 @@ def apply_utils(utils: ModuleType) -> Replacements | None:
     changes.set(utils, "download_url", md5_aware(utils.download_url))
     checked = {".tar": lambda _: extract_tar_checked, ".zip": extract_zip_listed}
     for suffix, extractor in list(utils._ARCHIVE_EXTRACTORS.items()):
-        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, shared["_atomic_extractor"](checked[suffix](extractor)))
+        atomic = shared["_atomic_extractor"](checked[suffix](extractor))
+        changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, in_place_across_filesystems(atomic, extractor))
     return changes
 
 
