@@ -119,12 +119,18 @@ def _process_start_time() -> float:
 #: CLOCK_SKEW after it is this attempt's, and one published before it is not. Assumes host clocks
 #: agree within CLOCK_SKEW (NTP keeps them within milliseconds).
 STARTED_AT = _process_start_time()
+#: When this *program* started: a wrapper's last command is often exec'd in place of the shell
+#: (``bash -c 'python train.py || python train.py'``), so the retry keeps the shell's pid and start,
+#: from before the first attempt. Linux keeps no exec time; this thread's CPU time, which the exec
+#: does not reset (the shell's part is milliseconds), bounds it: the wall time since the exec is at
+#: least the CPU time this thread spent since. Later than the exec (never earlier) when it waited.
+PROGRAM_STARTED_AT = max(STARTED_AT, time.time() - time.thread_time())
 CLOCK_SKEW = 5.0
 
 
 def published_since_start(record: dict[str, Any]) -> bool:
     published = record.get("time")
-    return isinstance(published, int | float) and published > STARTED_AT + CLOCK_SKEW
+    return isinstance(published, int | float) and published > PROGRAM_STARTED_AT + CLOCK_SKEW
 
 
 def published_before_start(record: dict[str, Any]) -> bool:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_safe.barrier_channels import Arrival
 from nemo_safe.barrier_state import (
     PRESENCE,
-    STARTED_AT,
+    PROGRAM_STARTED_AT,
     Outcome,
     process_gone,
     published_before_start,
@@ -192,7 +192,7 @@ class Waiter:
             raise ConfigurationError(f"{b.where()}: rank 0 rejected this rank {b.rank}: {reason}")
         if current:
             log.debug("%s: rank %d takes session %s (first seen %s, published %s, started %s)", b.where(), b.rank,
-                      state.get("session"), self.first_session, state.get("time"), STARTED_AT)  # fmt: skip
+                      state.get("session"), self.first_session, state.get("time"), PROGRAM_STARTED_AT)  # fmt: skip
             return Outcome.from_state(state)  # no process of an earlier attempt was alive to publish it
         if state.get("accepting"):
             return None  # rank 0 will accept us at its next look

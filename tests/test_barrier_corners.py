@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import clean_env, slurm_env, start_ranks, torchrun_env
+from procs import WORKER, clean_env, slurm_env, start_ranks, torchrun_env
 
 HANG_GUARD = 120
 GRACE = 1.5
@@ -109,6 +109,37 @@ def test_retry_of_rank1_while_attempt_1s_rank0_still_accepts(tmp_path: Path) -> 
     retry.finish(HANG_GUARD)
     assert second.results[0]["status"] == "ok", second.results[0]
     assert retry.results[1]["status"] == "ok" and retry.results[1]["saw_marker"], retry.results[1]
+
+
+def test_retry_exec_by_the_wrapper_shell_is_a_new_attempt(tmp_path: Path) -> None:
+    """`bash -c 'python train.py || python train.py'` execs the retry in place of the shell: it keeps the
+    shell's pid and start time, from before attempt 1. Attempt 1's rank 0 fails 6 s after the shells
+    started, so by the process start its failure looks published during the retry's life; the retry of
+    rank 1 must still not take it (the program's start counts), and takes attempt 2's outcome."""
+    worker = f"{sys.executable} {WORKER} --dir {tmp_path} --open --timeout 60"
+    lines = {
+        0: f"{worker} --rank0-fault raise --work-seconds 0 --rank0-delay 6 || {worker} --rank0-delay 3",
+        1: f"{worker} || {worker}",
+    }
+    procs = {
+        rank: subprocess.Popen(
+            ["bash", "-c", line],
+            env=clean_env(**slurm_env(rank, 2, "2106")),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for rank, line in lines.items()
+    }
+    runs = {}
+    for rank, proc in procs.items():
+        out, err = proc.communicate(timeout=HANG_GUARD)
+        runs[rank] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(runs[rank]) == 2, (rank, runs[rank], err[-2000:])
+    assert runs[1][0]["error_type"] == "RankZeroFailed", runs[1][0]
+    assert runs[1][1]["pid"] == procs[1].pid, "the retry must be exec'd by the shell for this test to mean anything"
+    assert runs[0][1]["status"] == "ok", runs[0][1]
+    assert runs[1][1]["status"] == "ok" and runs[1][1]["saw_marker"], runs[1][1]
 
 
 def test_failure_to_open_is_published(tmp_path: Path) -> None:
