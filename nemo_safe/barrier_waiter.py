@@ -133,7 +133,8 @@ class Waiter:
         in), or one that is this attempt's by time or by session. A closed outcome met at the first
         look and not newer than this process may be an earlier attempt's: no sign."""
         if state.get("phase") == "collect" or state.get("accepting"):
-            return not published_before_start(state)
+            rank0 = state.get("rank0") or {}
+            return not (published_before_start(state) or process_gone(rank0))  # a frozen one of a dead rank 0
         return self._current(state)
 
     def _current(self, state: dict[str, Any]) -> bool:

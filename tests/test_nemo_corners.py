@@ -52,6 +52,7 @@ def test_two_ranks_with_different_exp_dirs(tmp_path: Path, variant: str) -> None
     run = f"{sys.executable} {WORKER} --exp-dir {tmp_path / 'a'} --exp-dir-odd {tmp_path / 'b'}"
     results = _tasks(variant, f"21{len(variant)}1", lambda rank: run, tmp_path)
     r0, r1 = results[0][-1], results[1][-1]
+    print(f"{variant}: exp_manager seconds rank 0 {r0['seconds']:.2f}, rank 1 {r1['seconds']:.2f}")
     assert r0["status"] == "ok" and r1["status"] == "ok", results
     assert r0["patched"] == r1["patched"] == (variant == "nemo_safe")
     assert r1["seconds"] < SLEEP + 10, f"rank 1 must return within the grace + 10 s, took {r1['seconds']:.1f}"
@@ -69,6 +70,7 @@ def test_retry_inside_one_step(tmp_path: Path, variant: str) -> None:
     results = _tasks(
         variant, f"21{len(variant)}2", lambda rank: f"{run} --resume strict || {run} --resume lenient", tmp_path
     )
+    print(variant, {r: [f"{run['status']} {run['seconds']:.2f} s" for run in runs] for r, runs in results.items()})
     for rank in (0, 1):
         first, retry = results[rank]
         assert first["status"] == "error" and first["error_type"] == "NotFoundError", first
