@@ -274,7 +274,10 @@ class RankZero:
                     log.debug("%s: not every rank took the outcome; leaving the records", b.where())
                     return
                 delay = backoff.delay(stop_at)
-                time.sleep(delay) if _stopping.is_set() else _stopping.wait(delay)
+                if _stopping.is_set():
+                    time.sleep(delay)  # the event no longer pauses anyone once set
+                else:
+                    _stopping.wait(delay)
             b.channel.remove(b.keep_parent)
         except Exception as exc:  # a store gone with its agent, a directory removed: nothing left to do
             log.debug("%s: background acceptance/clean-up stopped: %s", b.where(), exc)
