@@ -25,7 +25,9 @@ import errno
 import json
 import os
 import stat
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -121,6 +123,10 @@ class Channel(ABC):
     @abstractmethod
     def describe(self, arrival: Arrival) -> str:
         """``host H pid P`` of the process behind an arrival, for messages."""
+
+    def arrival_body(self, arrival: Arrival) -> dict[str, Any] | None:
+        """What the process behind an arrival wrote (host, pid, start, time), or None where unknown."""
+        return None
 
     #: Whether rank 0 removes the records once every rank took the outcome (a store ends with the job).
     needs_cleanup = False
@@ -263,8 +269,11 @@ class FileChannel(Channel):
         return [a for a in parsed if a is not None and a.session == session]
 
     def describe(self, arrival: Arrival) -> str:
-        body = _loads(read_if_exists(os.path.join(self.path, arrival.name))) or {}
+        body = self.arrival_body(arrival) or {}
         return f"host {body.get('host', 'unknown')} pid {body.get('pid', 'unknown')}"
+
+    def arrival_body(self, arrival: Arrival) -> dict[str, Any] | None:
+        return _loads(read_if_exists(os.path.join(self.path, arrival.name)))
 
     def replace_leader(self, body: dict[str, Any]) -> None:
         publish(self.path, LEADER_NAME, json.dumps(body).encode())
@@ -296,14 +305,19 @@ class StoreChannel(Channel):
     next number of its session with ``add`` and then sets that numbered key.
     """
 
-    def __init__(self, host: str, port: int, connect_timeout: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, connect_timeout: float = 30.0, op_timeout: float = 30.0) -> None:
         from torch.distributed import TCPStore  # torch is already imported wherever this is used
 
         self.host, self.port = host, port
         self.identity = f"tcp://{host}:{port}"
-        self._store = TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=connect_timeout), wait_for_workers=False
+        self._store = _connect(
+            lambda: TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=connect_timeout), wait_for_workers=False
+            ),  # fmt: skip
+            f"{host}:{port}",
+            connect_timeout,
         )
+        self._store.set_timeout(timedelta(seconds=op_timeout))
         self._prefix = "nemo_safe/"
         self._bodies: dict[str, dict[str, Any]] = {}
         self._seen: dict[str, int] = {}  # session -> arrivals read so far
@@ -349,6 +363,31 @@ class StoreChannel(Channel):
     def describe(self, arrival: Arrival) -> str:
         body = self._bodies.get(arrival.name, {})
         return f"host {body.get('host', 'unknown')} pid {body.get('pid', 'unknown')}"
+
+    def arrival_body(self, arrival: Arrival) -> dict[str, Any] | None:
+        return self._bodies.get(arrival.name)
+
+
+def _connect(make: Callable[[], Any], where: str, timeout: float) -> Any:
+    """``make()`` (a TCPStore client) within ``timeout`` seconds, else raise. The client's own timeout does
+    not bound its handshake: against a port that accepts but is no store (torch 2.14) it waits forever.
+    It releases the GIL while it waits, so a daemon thread bounds it; one stuck there ends with the process."""
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = make()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=connect, daemon=True, name=f"nemo_safe-store-connect-{where}")
+    thread.start()
+    thread.join(timeout)
+    if "store" in box:
+        return box["store"]
+    if "error" in box:
+        raise box["error"]
+    raise NemoSafeError(f"{where} accepted a connection but did not answer as a TCPStore within {timeout:.0f} s")
 
 
 def agent_store_address(env: dict[str, str] | os._Environ[str]) -> tuple[str, int] | None:

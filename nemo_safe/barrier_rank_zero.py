@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nemo_safe.barrier_channels import Arrival
-from nemo_safe.barrier_state import published_before_start, ranges
+from nemo_safe.barrier_state import is_this_process, process_gone, published_before_start, ranges, this_process
 from nemo_safe.errors import BarrierTimeout, ConfigurationError
 from nemo_safe.records import new_nonce
 from nemo_safe.waiting import POLL_MIN, Backoff, Progress
@@ -25,7 +25,10 @@ log = logging.getLogger("nemo_safe.barrier")
 RANK0_POLL_SPEEDUP = 5.0
 #: Rank 0 republishes its state this often while it works (a sign of life for the waiters).
 RANK0_HEARTBEAT = 2.0
+#: At exit the background threads end on their own (late acceptance after one last look, clean-up once
+#: no rank has taken the outcome for CLEANUP_QUIET_POLLS waiter polls); this only caps a call that hangs.
 CLEANUP_GRACE_AT_EXIT = 10.0
+CLEANUP_QUIET_POLLS, CLEANUP_QUIET_MIN = 2, 1.0
 
 #: Background threads of rank 0 (heartbeat, late acceptance, clean-up); stopped and joined at exit,
 #: so that none is still inside a store client while the interpreter shuts down.
@@ -53,7 +56,8 @@ def _start_thread(target: Any, name: str, *args: Any) -> threading.Thread:
 
 @atexit.register
 def _finish_threads() -> None:
-    """Late acceptance stops at once (publishing the outcome as final); clean-up gets a short grace."""
+    """Late acceptance stops at once (publishing the outcome as final); clean-up goes on only while the
+    other ranks are still taking the outcome (a stopped or stuck rank holds no exit); the join caps a hung call."""
     _stopping.set()
     for stop in list(_heartbeat_stops):
         stop.set()
@@ -76,31 +80,65 @@ class RankZero:
     def publish_state(self, phase: str, **extra: Any) -> None:
         b = self.b
         body = {"v": 1, "phase": phase, "session": self.session, "name": b.name, "world_size": b.world_size,
-                "attempt_unique": b.attempt_unique, "rank0": {"host": b.host, "pid": os.getpid(), "nonce": b.nonce},
+                "attempt_unique": b.attempt_unique, "rank0": {**this_process(), "nonce": b.nonce},
                 "time": time.time(), **extra}  # fmt: skip
         b.channel.publish_state(body)
 
     def start(self) -> None:
+        """Open a session (claiming rank 0's place first where the key names one attempt). A start that
+        fails once the records exist publishes that failure as a closed session, so that no waiter waits
+        for a barrier that will never open, unless the state is the live other claimant's (its barrier
+        opens). It leaves nothing to release."""
         b = self.b
         b.channel.prepare()
-        if b.attempt_unique:
-            claim = {"host": b.host, "pid": os.getpid(), "nonce": b.nonce, "time": time.time()}
-            other = b.channel.claim_leader(claim)
-            if other is not None and published_before_start(other):
-                # Rank 0 of an earlier run inside the same job step (a retry loop): gone before we started.
-                b.channel.replace_leader(claim)
-            elif other is not None:
-                raise ConfigurationError(
-                    f"{b.where()}: two processes claim rank 0 of this attempt: this one (host {b.host}, "
-                    f"pid {os.getpid()}) and host {other.get('host')} pid {other.get('pid')}, which got there "
-                    "first. Only one may move files; check the launcher variables (SLURM_PROCID / RANK)."
-                )
         self.session = new_nonce()
-        self.publish_state("collect")
+        holder: dict[str, Any] | None = None
+        try:
+            holder = self._claim() if b.attempt_unique else None
+            if holder is not None:
+                raise self._rival_error(holder)
+            self.publish_state("collect")
+        except BaseException as exc:
+            self._publish_failed_open(exc, holder if isinstance(exc, ConfigurationError) else None)
+            raise
         stop = threading.Event()
         _heartbeat_stops.add(stop)
         thread = _start_thread(self._beat, f"nemo_safe-barrier-beat-{b.name}", stop)
         self._heartbeat = (stop, thread)
+
+    def _claim(self) -> dict[str, Any] | None:
+        """Claim rank 0's place of this attempt; the other claim if a live process holds it. A retry is a
+        new attempt, not a rival: a claim whose process has exited (same host and pid namespace), one of
+        this same process (an earlier call) or one older than this process (by the clock) is taken over."""
+        b = self.b
+        claim = {**this_process(), "nonce": b.nonce, "time": time.time()}
+        other = b.channel.claim_leader(claim)
+        if other is None:
+            return None
+        if process_gone(other) or is_this_process(other) or published_before_start(other):
+            b.channel.replace_leader(claim)
+            return None
+        return other
+
+    def _rival_error(self, other: dict[str, Any]) -> ConfigurationError:
+        b = self.b
+        return ConfigurationError(
+            f"{b.where()}: two processes claim rank 0 of this attempt: this one (host {b.host}, "
+            f"pid {os.getpid()}) and host {other.get('host')} pid {other.get('pid')}, which got there "
+            "first and still runs. Only one may move files; check the launcher variables (SLURM_PROCID / RANK)."
+        )
+
+    def _publish_failed_open(self, error: BaseException, holder: dict[str, Any] | None) -> None:
+        b = self.b
+        try:
+            if holder is not None:
+                state = b.channel.read_state() or {}
+                if (state.get("rank0") or {}).get("nonce") == holder.get("nonce"):
+                    return  # the rival's own barrier: it opens (or opened) it; ours must not replace it
+            outcome = {"ok": False, "payload": {}, "error_type": type(error).__name__, "error": str(error)}
+            self.publish_state("done", accepted={}, rejected={}, accepting=False, **outcome)
+        except Exception as publish_error:  # the records are unreachable too: the waiters time out
+            log.warning("%s: could not publish the failure to open: %s", b.where(), publish_error)
 
     def _beat(self, stop: threading.Event) -> None:
         """Republish the collecting state with a growing beat until :meth:`release`."""
@@ -224,13 +262,22 @@ class RankZero:
                 return
             if not outcome["ok"] or not b.channel.needs_cleanup:
                 return
-            # Files only (no store client here), so at exit this goes on for the short join grace.
-            everyone = set(range(1, b.world_size))
-            while not everyone <= b.channel.taken_ranks(self.session):
-                if time.monotonic() >= deadline:
+            # At exit it goes on only while ranks keep taking the outcome: a rank that stopped polling
+            # (SIGSTOP, hung) must not hold rank 0's exit; its records then stay, as after a failure.
+            everyone, quiet = set(range(1, b.world_size)), max(CLEANUP_QUIET_MIN, CLEANUP_QUIET_POLLS * b.poll_max)
+            taken, progressed = set(), time.monotonic()
+            while not everyone <= (now := b.channel.taken_ranks(self.session)):
+                if len(now) > len(taken):
+                    taken, progressed = now, time.monotonic()
+                stop_at = min(deadline, progressed + quiet) if _stopping.is_set() else deadline
+                if time.monotonic() >= stop_at:
                     log.debug("%s: not every rank took the outcome; leaving the records", b.where())
                     return
-                backoff.sleep(deadline)
+                delay = backoff.delay(stop_at)
+                if _stopping.is_set():
+                    time.sleep(delay)  # the event no longer pauses anyone once set
+                else:
+                    _stopping.wait(delay)
             b.channel.remove(b.keep_parent)
         except Exception as exc:  # a store gone with its agent, a directory removed: nothing left to do
             log.debug("%s: background acceptance/clean-up stopped: %s", b.where(), exc)

@@ -1,9 +1,11 @@
 """The barrier's records read back: rank 0's outcome, whether a state record is one nemo_safe wrote,
-and whether a record is this attempt's (by when it was published against when this process started)."""
+and whether a record is this attempt's: by when it was published against when this process started,
+and (where the writer shares this host and pid namespace) by whether its process still runs."""
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,11 +53,60 @@ class Outcome:
         )
 
 
+def _start_ticks(pid: int | str = "self") -> int | None:
+    """A process's start, in clock ticks since boot (Linux), or None when it does not exist (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_namespace() -> str:
+    """This boot's pid namespace (``<boot id>:pid:[inode]``): pids compare only within one, and ""
+    where it is unknown (no /proc), so that nothing is ever judged gone there."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+_PID_NAMESPACE = _pid_namespace()
+
+
+def this_process() -> dict[str, Any]:
+    """Who writes a record (host, pid namespace, pid and start): enough for a reader on the same host and
+    namespace to tell, without clocks, whether the writer still runs (a pid reused later starts later)."""
+    return {"host": socket.gethostname(), "pidns": _PID_NAMESPACE, "pid": os.getpid(), "start": _start_ticks()}
+
+
+def _same_namespace(record: dict[str, Any]) -> bool:
+    ns = record.get("pidns")
+    return bool(ns) and ns == _PID_NAMESPACE and record.get("host") == socket.gethostname()
+
+
+def process_gone(record: dict[str, Any]) -> bool:
+    """True only when the record's writer ran on this host and pid namespace and has exited
+    (its pid is free or now names a process started at another tick); False where unknown."""
+    pid, start = record.get("pid"), record.get("start")
+    if not _same_namespace(record) or not isinstance(pid, int) or not isinstance(start, int):
+        return False
+    return _start_ticks(pid) != start
+
+
+def is_this_process(record: dict[str, Any]) -> bool:
+    """The record was written by this very process (an earlier call of it)."""
+    return _same_namespace(record) and record.get("pid") == os.getpid() and record.get("start") == _start_ticks()
+
+
 def _process_start_time() -> float:
     """Wall-clock start of this process (Linux: from /proc, right after a fork too), else now."""
     try:
-        with open("/proc/self/stat", "rb") as f:
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        ticks = _start_ticks()
+        if ticks is None:
+            raise OSError("no /proc")
         with open("/proc/stat", "rb") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
@@ -68,12 +119,18 @@ def _process_start_time() -> float:
 #: CLOCK_SKEW after it is this attempt's, and one published before it is not. Assumes host clocks
 #: agree within CLOCK_SKEW (NTP keeps them within milliseconds).
 STARTED_AT = _process_start_time()
+#: When this *program* started: a wrapper's last command is often exec'd in place of the shell
+#: (``bash -c 'python train.py || python train.py'``), so the retry keeps the shell's pid and start,
+#: from before the first attempt. Linux keeps no exec time; this thread's CPU time, which the exec
+#: does not reset (the shell's part is milliseconds), bounds it: the wall time since the exec is at
+#: least the CPU time this thread spent since. Later than the exec (never earlier) when it waited.
+PROGRAM_STARTED_AT = max(STARTED_AT, time.time() - time.thread_time())
 CLOCK_SKEW = 5.0
 
 
 def published_since_start(record: dict[str, Any]) -> bool:
     published = record.get("time")
-    return isinstance(published, int | float) and published > STARTED_AT + CLOCK_SKEW
+    return isinstance(published, int | float) and published > PROGRAM_STARTED_AT + CLOCK_SKEW
 
 
 def published_before_start(record: dict[str, Any]) -> bool:

@@ -4,17 +4,19 @@ an outcome of this attempt from one an earlier attempt left behind (see :mod:`ne
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from nemo_safe.barrier_channels import Arrival
 from nemo_safe.barrier_state import (
     PRESENCE,
+    PROGRAM_STARTED_AT,
     Outcome,
+    process_gone,
     published_before_start,
     published_since_start,
     ranges,
+    this_process,
     valid_state,
 )
 from nemo_safe.errors import BarrierTimeout, ConfigurationError, NemoSafeError, RankZeroAbsent
@@ -43,6 +45,9 @@ class Waiter:
         self.last: dict[str, Any] | None = None
         self.alive: tuple[Any, Any] | None = None  # rank 0's (session, beat) last seen
         self.foreign_state: str | None = None  # what a malformed state looked like, for the error
+        #: The session of the first state read: it may be an earlier attempt's; a session opened after it
+        #: was opened by a rank 0 alive while this waiter waited, so it is this attempt's.
+        self.first_session: str | None = None
 
     def wait(self) -> Outcome:
         b = self.b
@@ -55,6 +60,8 @@ class Waiter:
             while True:
                 b.polls += 1
                 state = self._read_valid_state()
+                if self.first_session is None:  # "": there was none
+                    self.first_session = str(state.get("session", "")) if state is not None else ""
                 outcome = self._take(state) if state is not None else None
                 if outcome is not None:
                     return outcome
@@ -83,9 +90,9 @@ class Waiter:
                 self.deadline = max(self.deadline, time.monotonic() + b.timeout)
             self.alive = (state.get("session"), state.get("beat"))
         self.last = state
-        if not published_before_start(state):
-            self.grace = None  # rank 0 showed up here (not a record older than this process): wait
         session = str(state.get("session", ""))
+        if self._sign_of_rank_zero(state):
+            self.grace = None  # rank 0 of this attempt showed up here: wait for it
         if state.get("phase") == "collect":
             self.collecting_seen.add(session)
         if session and session not in self.answered and self._answers(state):
@@ -99,19 +106,42 @@ class Waiter:
             return None
         outcome = self._outcome_for_me(state)
         if outcome is not None:
-            if outcome.ok and b.channel.needs_cleanup:
+            if b.channel.needs_cleanup:  # a failure too: rank 0 then stops accepting this rank (a retry's)
                 b.channel.mark_taken(str(state.get("session")), b.rank, b.nonce)
             outcome.raise_if_failed(b.where(), b.rank)
         return outcome
 
     def _check_rank_zero_present(self) -> None:
-        """After the grace without rank 0: raise :class:`RankZeroAbsent` unless every other rank is here."""
+        """After the grace without rank 0: raise :class:`RankZeroAbsent` unless every other rank is here.
+        This rank is no evidence (with two ranks nothing tells a late rank 0 from one that does not share
+        this place, so rank 1 gives up), nor is a presence left by a process that has exited."""
         if self.grace is None or self.progress.elapsed < self.grace:
             return
-        present = {a.rank for a in self.b.channel.arrivals(PRESENCE)}
-        if len(present) < self.b.world_size - 1:
+        b = self.b
+        present = {a.rank for a in b.channel.arrivals(PRESENCE) if a.rank != b.rank and self._live(a)}
+        if b.world_size == 2 or len(present) < b.world_size - 2:
             raise RankZeroAbsent(self._absent_message(present))
         self.grace = None  # every other rank is here: rank 0 is late, wait for it
+
+    def _live(self, arrival: Arrival) -> bool:
+        """A presence counts unless its process exited (same host) or it predates this process (by the clock)."""
+        body = self.b.channel.arrival_body(arrival)
+        return body is None or not (process_gone(body) or published_before_start(body))
+
+    def _sign_of_rank_zero(self, state: dict[str, Any]) -> bool:
+        """A state that shows this attempt's rank 0: one that is working or accepting (it will take us
+        in), or one that is this attempt's by time or by session. A closed outcome met at the first
+        look and not newer than this process may be an earlier attempt's: no sign."""
+        if state.get("phase") == "collect" or state.get("accepting"):
+            rank0 = state.get("rank0") or {}
+            return not (published_before_start(state) or process_gone(rank0))  # a frozen one of a dead rank 0
+        return self._current(state)
+
+    def _current(self, state: dict[str, Any]) -> bool:
+        """This attempt's state: published since this process started, seen collecting, or a session
+        opened after this waiter's first look (only a rank 0 alive meanwhile opened it)."""
+        session = str(state.get("session", ""))
+        return published_since_start(state) or session in self.collecting_seen or session != self.first_session
 
     def _read_valid_state(self) -> dict[str, Any] | None:
         state = self.b.channel.read_state()
@@ -134,7 +164,7 @@ class Waiter:
     def _arrive(self, session: str) -> Arrival:
         b = self.b
         arrival = Arrival(session, b.rank, b.world_size, b.nonce)
-        body = {"rank": b.rank, "host": b.host, "pid": os.getpid(), "nonce": b.nonce, "session": session,
+        body = {"rank": b.rank, **this_process(), "nonce": b.nonce, "session": session,
                 "world_size": b.world_size, "time": time.time()}  # fmt: skip
         b.channel.arrive(arrival, body)
         return arrival
@@ -151,11 +181,7 @@ class Waiter:
         if mine == b.nonce:
             return Outcome.from_state(state)
         answered_it = str(state.get("session")) in self.answered
-        fresh = published_since_start(state)
-        # A state this process saw collecting, or published since it started, is this attempt's; a
-        # done-but-accepting state met only after the fact may be an earlier round's, frozen when its
-        # rank 0 was killed, and its accepted nonces then belong to dead processes.
-        current = fresh or str(state.get("session")) in self.collecting_seen
+        current = self._current(state)
         if answered_it and mine is not None and current:
             raise NemoSafeError(
                 f"{b.where()}: rank 0 accepted another process as rank {b.rank} "
@@ -165,23 +191,37 @@ class Waiter:
         reason = (state.get("rejected") or {}).get(b.nonce)
         if reason:
             raise ConfigurationError(f"{b.where()}: rank 0 rejected this rank {b.rank}: {reason}")
-        if fresh:
+        if current:
+            log.debug("%s: rank %d takes session %s (first seen %s, published %s, started %s)", b.where(), b.rank,
+                      state.get("session"), self.first_session, state.get("time"), PROGRAM_STARTED_AT)  # fmt: skip
             return Outcome.from_state(state)  # no process of an earlier attempt was alive to publish it
         if state.get("accepting"):
             return None  # rank 0 will accept us at its next look
-        if answered_it:
+        if answered_it and mine is None:
             # Rank 0 closed a session we answered without counting us: only a live rank 0 closes one
             # (a dead one's state never changes), so it is this attempt's outcome, reached without us.
+            # One that counts another process as our rank is an earlier attempt's (that process was our
+            # rank there): it never releases or fails this one.
+            log.debug(
+                "%s: rank %d takes session %s it answered, closed without it", b.where(), b.rank, state.get("session")
+            )
             return Outcome.from_state(state)
         return None  # an outcome of another attempt: never releases us
 
     def _absent_message(self, present: set[int]) -> str:
         b = self.b
-        missing = [r for r in range(1, b.world_size) if r not in present]
+        if b.world_size == 2:
+            return (
+                f"{b.where()}: rank 1 waited {self.progress.elapsed:.1f} s and rank 0 never showed up; with two "
+                "ranks nothing tells a late rank 0 from one that does not share this place (node-local disk, "
+                "another working directory, a torchrun store one rank could not reach)."
+            )
+        missing = [r for r in range(1, b.world_size) if r not in present and r != b.rank]
         return (
             f"{b.where()}: rank {b.rank} waited {self.progress.elapsed:.1f} s and rank 0 never showed up, "
-            f"while ranks {ranges(missing)} of 1-{b.world_size - 1} are not here either: this "
-            "directory is probably not shared with them (node-local disk, another working directory)."
+            f"while ranks {ranges(missing)} of 1-{b.world_size - 1} are not here either: this place is "
+            "probably not shared with them (node-local disk, another working directory, a torchrun store "
+            "one rank could not reach)."
         )
 
     def _timeout_message(self) -> str:

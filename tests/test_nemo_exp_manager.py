@@ -296,9 +296,11 @@ def test_patch_whatever_the_import_order(order: str) -> None:
 
 
 def test_demo_command_local() -> None:
-    """The README's main job, on local processes: the upstream row shows the race, ours does not."""
+    """The README's main job, on local processes: the upstream row shows the race, ours does not. Three
+    ranks: with two, rank 1 cannot tell rank 0 entering 6 s late from a rank 0 that does not share the
+    directory, and carries on as upstream after the 5 s sleep (test_nemo_corners.py)."""
     nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
-    cmd = [nemo_safe_cli, "demo", "--only", "exp_manager", "--local", "--tasks-per-node", "2", "--old-files", "200"]
+    cmd = [nemo_safe_cli, "demo", "--only", "exp_manager", "--local", "--tasks-per-node", "3", "--old-files", "200"]
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {
@@ -306,9 +308,9 @@ def test_demo_command_local() -> None:
         for line in out.stdout.splitlines()
         if line.startswith("| upstream") or line.startswith("| with")
     }
-    assert rows["upstream NeMo"][1] == "1 of 1", out.stdout  # returned while the old files were still there
+    assert rows["upstream NeMo"][1] == "2 of 2", out.stdout  # returned while the old files were still there
     assert int(rows["upstream NeMo"][2]) > 0, out.stdout  # current-run files archived
-    assert rows["with nemo_safe"][:3] == ["0 of 1", "0 of 1", "0"], out.stdout
+    assert rows["with nemo_safe"][:3] == ["0 of 2", "0 of 2", "0"], out.stdout
 
 
 @pytest.mark.parametrize("how", ["plain process", "interactive SLURM shell (job named bash)"])

@@ -21,13 +21,19 @@ fixed ``seconds_to_sleep`` (NeMo #7460, #9952, PR #8604). Here, one
   same on every rank) and run ``check_resume``'s lookup. If rank 0 failed, they
   run it too, so that they raise NeMo's own error where NeMo would; otherwise
   they raise :class:`~nemo_safe.errors.RankZeroFailed`.
-* **Never worse than upstream**: over a directory, a rank that has seen no sign
-  of rank 0 within ``seconds_to_sleep`` (the wait upstream promises) and does not
-  see every other rank there either is probably not sharing that directory with
-  rank 0 (node-local disks, another working directory): it carries on exactly as
-  upstream does, with one warning. So does every rank where NeMo and the
+* **Never worse than upstream**: in a directory or the store alike, a rank that
+  has seen no sign of rank 0 within ``seconds_to_sleep`` (the wait upstream
+  promises) and does not see every *other* rank there either is probably not
+  meeting rank 0 there (node-local disks, another working directory, a store
+  only some ranks reached): it carries on exactly as upstream does, with one
+  warning. With two ranks no other rank can vouch for a late rank 0, so rank 1
+  always does so after that grace. So does every rank where NeMo and the
   launcher disagree on which process is rank 0, or the trainer's
   ``num_nodes x devices`` on the number of processes.
+* **Where ranks meet is each rank's own probe of the store** (2 s connect), which
+  two ranks may answer differently; the grace above is what makes that safe.
+  Rank 0 waits at most for that probe and the store client's connect (2 s each)
+  when ``MASTER_ADDR:MASTER_PORT`` does not answer or is not a store.
 """
 
 from __future__ import annotations
@@ -101,7 +107,7 @@ class ResumeOrder:
             return own
         started = time.monotonic()
         try:
-            outcome = barrier.wait(grace=None if self.store else self.grace)
+            outcome = barrier.wait(grace=self.grace)
         except RankZeroAbsent as exc:
             self.waited = time.monotonic() - started
             warn_once(
@@ -133,7 +139,7 @@ class ResumeOrder:
         channel: Channel | None = None
         if self.store is not None:
             try:
-                channel = StoreChannel(*self.store)
+                channel = StoreChannel(*self.store, connect_timeout=STORE_PROBE_SECONDS)
             except Exception as exc:  # any failure to reach the store means: meet in the directory
                 _store_reachable[self.store] = False
                 where = ":".join(map(str, self.store))

@@ -1,0 +1,55 @@
+"""One rank's one ``exp_manager`` call with the real NeMo, for the corner cases of issue 21.
+
+Started with launcher variables (srun-style) by tests/test_nemo_corners.py; ``NEMO_SAFE_DISABLE=1`` makes
+``import nemo_safe`` a no-op (the upstream twin). Prints one JSON line: status, error, seconds in
+exp_manager, log_dir. Exit status 0 when exp_manager returned, 1 when it raised (a retry wrapper's cue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import nemo_safe
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--exp-dir", required=True, help="exp_dir (odd ranks: --exp-dir-odd if given)")
+    p.add_argument("--exp-dir-odd")
+    p.add_argument("--explicit-log-dir", action="store_true", help="use <exp-dir>/log as explicit_log_dir")
+    p.add_argument("--resume", choices=["none", "strict", "lenient"], default="none")
+    p.add_argument("--nodes", type=int, default=2)
+    args = p.parse_args()
+    import logging
+
+    logging.basicConfig(format="%(asctime)s %(process)d %(name)s %(message)s")
+    logging.getLogger("nemo_safe").setLevel(logging.DEBUG)
+
+    import lightning.pytorch as pl
+    from nemo.utils.exp_manager import exp_manager
+
+    from nemo_safe_tools import demo
+
+    ident = nemo_safe.detect_identity()
+    exp_dir = args.exp_dir_odd if (args.exp_dir_odd and ident.rank % 2) else args.exp_dir
+    cfg: dict = {"create_tensorboard_logger": False, "create_checkpoint_callback": False}
+    cfg.update({"explicit_log_dir": f"{exp_dir}/log"} if args.explicit_log_dir else {"exp_dir": exp_dir, "name": "exp"})
+    if args.resume != "none":
+        cfg.update(resume_if_exists=True, resume_ignore_no_checkpoint=args.resume == "lenient")
+    trainer = pl.Trainer(**demo.cpu_trainer_kwargs(1, args.nodes))
+    result: dict = {"rank": ident.rank, "patched": bool(nemo_safe.active())}
+    started = time.monotonic()
+    try:
+        result.update(status="ok", log_dir=str(exp_manager(trainer, cfg)))
+    except Exception as exc:
+        result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:1500])
+    result["seconds"] = time.monotonic() - started
+    print(json.dumps(result), flush=True)
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

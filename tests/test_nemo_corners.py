@@ -1,0 +1,79 @@
+"""Issue 21's corners with the real NeMo ``exp_manager``, each next to its upstream twin (NEMO_SAFE_DISABLE=1).
+
+Two srun-style tasks (launcher variables, no slurmd needed): one NeMo process per task and attempt, so
+each case costs four NeMo imports (7-10 s each). The barrier-level versions are in test_barrier_corners.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import clean_env, slurm_env
+
+WORKER = str(Path(__file__).resolve().parent / "nemo_corner_worker.py")
+HANG_GUARD = 300
+#: Low enough that the bug (waiting to the timeout) fails the test quickly, high enough for NeMo imports.
+TIMEOUT = "60"
+SLEEP = 5.0  # exp_manager's seconds_to_sleep, upstream's fixed wait and nemo_safe's grace
+
+
+def _tasks(variant: str, job: str, command, logs: Path) -> dict[int, list[dict]]:
+    """Two tasks of one step, each running ``command(rank)`` (a shell line); their JSON lines by rank
+    (their stderr, nemo_safe's barrier log at debug level included, in ``logs/rank<r>.err``)."""
+    procs = {}
+    for rank in (0, 1):
+        extra = {"NEMO_SAFE_BARRIER_TIMEOUT": TIMEOUT, **({"NEMO_SAFE_DISABLE": "1"} if variant == "upstream" else {})}
+        # One task on each of two nodes, as Lightning's SLURM environment checks them.
+        nodes = {"SLURM_NODEID": str(rank), "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1",
+                 "SLURM_NODELIST": "node[1-2]"}  # fmt: skip
+        env = clean_env(**{**slurm_env(rank, 2, job), **nodes}, **extra)
+        procs[rank] = subprocess.Popen(["bash", "-c", command(rank)], env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    results = {}
+    for rank, proc in procs.items():
+        out, err = proc.communicate(timeout=HANG_GUARD)
+        (logs / f"rank{rank}.err").write_text(err)
+        results[rank] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert results[rank], err[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_two_ranks_with_different_exp_dirs(tmp_path: Path, variant: str) -> None:
+    """Rank 1's exp_dir is another folder (a node-local disk at the same path, or another working
+    directory): upstream returns after its 5 s sleep; so must rank 1 with nemo_safe (its grace), not at
+    the barrier timeout."""
+    run = f"{sys.executable} {WORKER} --exp-dir {tmp_path / 'a'} --exp-dir-odd {tmp_path / 'b'}"
+    results = _tasks(variant, f"21{len(variant)}1", lambda rank: run, tmp_path)
+    r0, r1 = results[0][-1], results[1][-1]
+    print(f"{variant}: exp_manager seconds rank 0 {r0['seconds']:.2f}, rank 1 {r1['seconds']:.2f}")
+    assert r0["status"] == "ok" and r1["status"] == "ok", results
+    assert r0["patched"] == r1["patched"] == (variant == "nemo_safe")
+    assert r1["seconds"] < SLEEP + 10, f"rank 1 must return within the grace + 10 s, took {r1['seconds']:.1f}"
+    assert r1["log_dir"].startswith(str(tmp_path / "b")), r1
+
+
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_retry_inside_one_step(tmp_path: Path, variant: str) -> None:
+    """Each task runs train.py with a strict resume (no checkpoint: it fails) and retries at once with a
+    lenient one, as a new process (`python train.py || python train.py --lenient`). Upstream both ranks
+    complete the retry; with nemo_safe too: the retry is a new attempt, not a second rank 0, and attempt
+    1's failure in the records fails nobody."""
+    run = f"{sys.executable} {WORKER} --exp-dir {tmp_path} --explicit-log-dir"
+    started = time.monotonic()
+    results = _tasks(
+        variant, f"21{len(variant)}2", lambda rank: f"{run} --resume strict || {run} --resume lenient", tmp_path
+    )
+    print(variant, {r: [f"{run['status']} {run['seconds']:.2f} s" for run in runs] for r, runs in results.items()})
+    for rank in (0, 1):
+        first, retry = results[rank]
+        assert first["status"] == "error" and first["error_type"] == "NotFoundError", first
+        assert retry["status"] == "ok", (rank, retry, results)
+        assert retry["seconds"] < SLEEP + 10, (rank, retry)
+    assert time.monotonic() - started < HANG_GUARD
