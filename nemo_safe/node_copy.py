@@ -275,6 +275,9 @@ class NodeCopy(Channel):
     def describe(self, arrival: Arrival) -> str:
         return self.shared.describe(arrival)
 
+    def arrival_body(self, arrival: Arrival) -> dict[str, Any] | None:
+        return self.shared.arrival_body(arrival)
+
     def replace_leader(self, body: dict[str, Any]) -> None:
         self.shared.replace_leader(body)
 
