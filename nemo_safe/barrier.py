@@ -149,14 +149,17 @@ class Barrier:
         """The barrier and its records' location, as messages name it."""
         return f"barrier {self.name!r} in {self.channel.where()}"
 
-    def wait(self, grace: float | None = None) -> Outcome:
+    def wait(self, grace: float | None = None, stall_limit: float | None = None) -> Outcome:
         """Non-zero ranks: block until rank 0 has finished its work; raise if it failed.
 
         With ``grace``: raise :class:`~nemo_safe.errors.RankZeroAbsent` once ``grace`` seconds
-        passed without any sign of rank 0 unless every other rank is present here."""
+        passed without any sign of rank 0 unless every other rank is present here. With
+        ``stall_limit``: raise :class:`~nemo_safe.errors.RankZeroStalled` once rank 0, still beating,
+        has shown no progress of its work for that many seconds (for callers that can carry on
+        without it; others wait while it beats, a long subprocess of rank 0's included)."""
         if self.rank == 0:
             raise ConfigurationError(f"{self.where()}: rank 0 must call gather()/release(), not wait()")
-        return Waiter(self, grace).wait()
+        return Waiter(self, grace, stall_limit).wait()
 
     def open(self) -> None:
         """Rank 0: open a session without waiting for anyone; :meth:`release` publishes the

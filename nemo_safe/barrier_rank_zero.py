@@ -14,6 +14,7 @@ from nemo_safe.barrier_channels import Arrival
 from nemo_safe.barrier_state import is_this_process, process_gone, published_before_start, ranges, this_process
 from nemo_safe.errors import BarrierTimeout, ConfigurationError
 from nemo_safe.records import new_nonce
+from nemo_safe.thread_progress import ThreadProgress
 from nemo_safe.waiting import POLL_MIN, Backoff, Progress
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class RankZero:
             raise
         stop = threading.Event()
         _heartbeat_stops.add(stop)
+        self._work = ThreadProgress()  # this thread's: the one that goes on to do rank 0's work
         thread = _start_thread(self._beat, f"nemo_safe-barrier-beat-{b.name}", stop)
         self._heartbeat = (stop, thread)
 
@@ -141,13 +143,16 @@ class RankZero:
             log.warning("%s: could not publish the failure to open: %s", b.where(), publish_error)
 
     def _beat(self, stop: threading.Event) -> None:
-        """Republish the collecting state with a growing beat until :meth:`release`."""
-        n = 0
+        """Republish the collecting state with a growing beat until :meth:`release`, and with ``idle``: the
+        beats since the thread that opened the barrier (rank 0's work) last advanced. A rank 0 stuck in a
+        call that will not return (a hung NFS move) beats on; ``idle`` lets the waiters tell."""
+        n = idle = 0
         try:
             while not stop.wait(RANK0_HEARTBEAT):
                 n += 1
+                idle = 0 if self._work.advanced() else idle + 1
                 try:
-                    self.publish_state("collect", beat=n)
+                    self.publish_state("collect", beat=n, idle=idle)
                 except Exception as exc:  # one failed write (a failover): the next beat may get through
                     log.debug("%s: heartbeat %d not published: %s", self.b.where(), n, exc)
         finally:

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nemo_safe.barrier_channels import Arrival
+from nemo_safe.barrier_rank_zero import RANK0_HEARTBEAT
 from nemo_safe.barrier_state import (
     PRESENCE,
     PROGRAM_STARTED_AT,
@@ -19,7 +20,7 @@ from nemo_safe.barrier_state import (
     this_process,
     valid_state,
 )
-from nemo_safe.errors import BarrierTimeout, ConfigurationError, NemoSafeError, RankZeroAbsent
+from nemo_safe.errors import BarrierTimeout, ConfigurationError, NemoSafeError, RankZeroAbsent, RankZeroStalled
 from nemo_safe.waiting import Backoff, Progress
 
 if TYPE_CHECKING:
@@ -34,9 +35,10 @@ WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
 class Waiter:
     """One call of :meth:`Barrier.wait <nemo_safe.barrier.Barrier.wait>` on a non-zero rank."""
 
-    def __init__(self, barrier: Barrier, grace: float | None) -> None:
+    def __init__(self, barrier: Barrier, grace: float | None, stall_limit: float | None = None) -> None:
         self.b = barrier
         self.grace = grace
+        self.stall_limit = stall_limit
         self.progress = Progress()
         self.backoff = Backoff(barrier.poll_max)
         self.deadline = time.monotonic() + barrier.timeout
@@ -90,6 +92,7 @@ class Waiter:
                 self.deadline = max(self.deadline, time.monotonic() + b.timeout)
             self.alive = (state.get("session"), state.get("beat"))
         self.last = state
+        self._check_rank_zero_advances(state)
         session = str(state.get("session", ""))
         if self._sign_of_rank_zero(state):
             self.grace = None  # rank 0 of this attempt showed up here: wait for it
@@ -142,6 +145,21 @@ class Waiter:
         opened after this waiter's first look (only a rank 0 alive meanwhile opened it)."""
         session = str(state.get("session", ""))
         return published_since_start(state) or session in self.collecting_seen or session != self.first_session
+
+    def _check_rank_zero_advances(self, state: dict[str, Any]) -> None:
+        """With a stall limit: raise :class:`RankZeroStalled` when rank 0's own beat says its work has not
+        advanced for that long (its count, so a waiter that arrives late sees it at once)."""
+        idle = state.get("idle")
+        if self.stall_limit is None or state.get("phase") != "collect" or type(idle) is not int:
+            return
+        if idle * RANK0_HEARTBEAT < self.stall_limit:
+            return
+        r0 = state.get("rank0") or {}
+        raise RankZeroStalled(
+            f"{self.b.where()}: rank 0 (host {r0.get('host')}, pid {r0.get('pid')}) is alive but its work has "
+            f"not advanced for {idle * RANK0_HEARTBEAT:.0f} s (no I/O, CPU or Python step: stuck in a call that "
+            f"does not return, e.g. a hung filesystem); rank {self.b.rank} stops waiting for it."
+        )
 
     def _read_valid_state(self) -> dict[str, Any] | None:
         state = self.b.channel.read_state()

@@ -29,6 +29,12 @@ class RankZeroAbsent(NemoSafeError):
     the barrier (NeMo's exp_manager) carry on as upstream does."""
 
 
+class RankZeroStalled(RankZeroAbsent):
+    """Rank 0 is alive (it beats) but its work has not advanced for the progress limit: it is stuck in a
+    call that will not return (a hung filesystem call). Callers that can do without the barrier
+    (NeMo's exp_manager) carry on as upstream does instead of waiting for it without end."""
+
+
 class RemoteFailure(NemoSafeError):
     """Another process's work failed, and this process waited for it: raised here with that
     process's exception type name and text (``remote_type``, ``remote_message``; both survive

@@ -80,7 +80,7 @@ from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, NemoSafeError, WaitTimeout
 from nemo_safe.flight_locks import LOCK_DIRNAME, FlightLocks, lock_folder_usable
 from nemo_safe.term_signal import released_on_sigterm
-from nemo_safe.thread_progress import ThreadProgress
+from nemo_safe.thread_progress import PROGRESS_LIMIT, ThreadProgress
 from nemo_safe.waiting import (
     POLL_MAX_ENV,
     POLL_MIN,
@@ -105,12 +105,6 @@ DEFAULT_STALE_AFTER = 15.0
 HEARTBEAT = 1.0
 #: Shortest stale limit a setting may ask for: two beats (a smaller one takes over from every live leader).
 MIN_STALE_AFTER = 2 * HEARTBEAT
-#: Seconds a beating leader's job may show no progress (:mod:`nemo_safe.thread_progress`: no I/O, no CPU,
-#: no sleep ended, no Python step) before its waiters do the job themselves, unordered, as without
-#: nemo_safe. A download, an md5 pass or an extraction advances every second; 10 s without any of it
-#: is a call that will not return (a half-open socket, a hung NFS call), or one that costs little to
-#: double (a slow first byte). Never more than the stale limit.
-PROGRESS_LIMIT = 10.0
 #: How long the final beat may take to be written when the leader is interrupted (SIGTERM).
 ABANDON_JOIN = 2.0
 #: Missed beats after which a same-host leader whose pid is gone counts as dead.

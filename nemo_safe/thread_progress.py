@@ -26,7 +26,14 @@ from __future__ import annotations
 import sys
 import threading
 
-__all__ = ["ThreadProgress"]
+__all__ = ["PROGRESS_LIMIT", "ThreadProgress"]
+
+#: Seconds a beating process's work may show no progress (no I/O, no CPU, no sleep ended, no Python step)
+#: before those waiting for it carry on as without nemo_safe (a download leader's waiters download
+#: themselves; exp_manager's ranks stop waiting for rank 0). A download, an md5 pass, an extraction or a
+#: loop of file moves advances every second; 10 s without any of it is a call that will not return (a
+#: half-open socket, a hung NFS call), or one that costs little to double (a slow first byte).
+PROGRESS_LIMIT = 10.0
 
 _IO_FIELDS = (b"rchar", b"wchar", b"syscr", b"syscw")
 

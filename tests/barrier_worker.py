@@ -35,6 +35,10 @@ def main() -> int:
     p.add_argument("--work-seconds", type=float, default=1.0)
     p.add_argument("--rank0-delay", type=float, default=0.0, help="start skew: rank 0 enters late")
     p.add_argument("--rank0-fault", choices=["none", "raise", "hang"], default="none")
+    p.add_argument("--rank0-work", choices=["sleep", "stuck", "trickle"], default="sleep",
+                   help="--open: rank 0's work: a sleep, a recv on a socket nobody writes to (a call that does not "
+                   "return, as a hung NFS call), or small reads every 0.2 s (slow, advancing work)")  # fmt: skip
+    p.add_argument("--stall-limit", type=float, help="waiters stop waiting for a rank 0 idle this long")
     p.add_argument("--ready-dir", help="each rank touches ready.<rank> here before entering")
     p.add_argument("--hold-rank", type=int, help="this rank sleeps forever before entering")
     p.add_argument("--no-barrier", action="store_true")
@@ -115,6 +119,26 @@ def main() -> int:
     return code
 
 
+def _rank0_work(kind: str, seconds: float) -> None:
+    if kind == "sleep":
+        time.sleep(seconds)
+    elif kind == "stuck":
+        import socket
+
+        here, _there = socket.socketpair()
+        here.settimeout(seconds)
+        try:
+            here.recv(1)  # nobody writes: blocked for ``seconds``, as a half-open connection or a hung NFS call
+        except TimeoutError:
+            pass
+    else:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with open(__file__, "rb") as fh:
+                fh.read()
+            time.sleep(0.2)
+
+
 def _reads(barrier: Barrier) -> dict:
     """How this rank read rank 0's state: its role and the reads of the shared state and of a node copy."""
     ch = barrier.channel
@@ -133,7 +157,7 @@ def _open_barrier(args, ident, directory: str, world: int, marker: str, result: 
     try:
         if ident.rank == 0:
             barrier.open()
-            time.sleep(args.work_seconds)
+            _rank0_work(args.rank0_work, args.work_seconds)
             if args.rank0_fault == "raise":
                 error = PermissionError(13, "Permission denied", marker)
                 barrier.release(error)
@@ -147,11 +171,11 @@ def _open_barrier(args, ident, directory: str, world: int, marker: str, result: 
             return code
         else:
             try:
-                barrier.wait(grace=args.grace)
+                barrier.wait(grace=args.grace, stall_limit=args.stall_limit)
             finally:
                 result["reads"] = _reads(barrier)
             result["saw_marker"] = read_if_exists(marker) == MARKER_TEXT
-    except RankZeroAbsent as exc:
+    except RankZeroAbsent as exc:  # RankZeroStalled too
         result.update(status="absent", error_type=type(exc).__name__, error=str(exc))
     except NemoSafeError as exc:
         result.update(status="error", error_type=type(exc).__name__, error=str(exc))

@@ -246,3 +246,45 @@ def test_exiting_rank0_is_not_held_by_a_rank_that_stopped(tmp_path: Path, rank1:
         assert held < 5, held
         assert not list(tmp_path.glob(".nemo_safe/*/*")), "the records must be removed once every rank took them"
     ranks.finish(HANG_GUARD)
+
+
+# -- 5. liveness is progress: a rank 0 stuck in a call that does not return holds no one with a stall limit ----
+
+STUCK_SECONDS = 40.0
+
+
+def test_rank0_stuck_in_a_call_releases_waiters_with_a_stall_limit(tmp_path: Path) -> None:
+    """Rank 0 opens, then blocks in a recv nobody answers (a hung NFS move in check_resume): its heartbeat
+    thread beats on, so only its work's progress tells. exp_manager's waiters (stall limit 10 s, as NeMo's
+    patch passes) carry on as upstream after about 10 s, not at the 60 s timeout; rank 0's own beat counts
+    the idle time, so the bound holds from rank 1's start."""
+    from nemo_safe.thread_progress import PROGRESS_LIMIT
+
+    args = ["--dir", str(tmp_path), "--open", "--timeout", "60", "--work-seconds", str(STUCK_SECONDS),
+            "--rank0-work", "stuck", "--stall-limit", str(PROGRESS_LIMIT)]  # fmt: skip
+    ranks = start_ranks(3, _slurm(3, "2501"), args)
+    try:
+        for rank in (1, 2):
+            out, err = ranks.procs[rank].communicate(timeout=HANG_GUARD)
+            res = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+            assert res["status"] == "absent" and res["error_type"] == "RankZeroStalled", (res, err[-2000:])
+            assert "has not advanced" in res["error"], res
+            assert res["seconds"] < PROGRESS_LIMIT + 8, res  # 2 s beats + polls; the timeout was 60 s
+    finally:
+        for proc in ranks.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_rank0_working_slowly_is_waited_for_with_a_stall_limit(tmp_path: Path) -> None:
+    """The twin: rank 0 works as long (small reads every 0.2 s for 14 s, past the 10 s limit) but advances:
+    the waiters wait for it and see its work done."""
+    from nemo_safe.thread_progress import PROGRESS_LIMIT
+
+    args = ["--dir", str(tmp_path), "--open", "--timeout", "60", "--work-seconds", str(PROGRESS_LIMIT + 4),
+            "--rank0-work", "trickle", "--stall-limit", str(PROGRESS_LIMIT)]  # fmt: skip
+    ranks = start_ranks(3, _slurm(3, "2502"), args).finish(HANG_GUARD)
+    for rank in (1, 2):
+        res = ranks.results[rank]
+        assert res["status"] == "ok" and res["saw_marker"], res
+        assert res["seconds"] >= PROGRESS_LIMIT + 3, res

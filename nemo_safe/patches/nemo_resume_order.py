@@ -51,7 +51,8 @@ from nemo_safe import cluster_identity
 from nemo_safe import warn_once as once
 from nemo_safe.barrier import Barrier
 from nemo_safe.barrier_channels import Channel, FileChannel, StoreChannel, agent_store_address
-from nemo_safe.errors import ConfigurationError, RankZeroAbsent, RankZeroFailed
+from nemo_safe.errors import ConfigurationError, RankZeroAbsent, RankZeroFailed, RankZeroStalled
+from nemo_safe.thread_progress import PROGRESS_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,12 @@ class ResumeOrder:
             return own
         started = time.monotonic()
         try:
-            outcome = barrier.wait(grace=self.grace)
+            outcome = barrier.wait(grace=self.grace, stall_limit=PROGRESS_LIMIT)
+        except RankZeroStalled as exc:
+            self.waited = time.monotonic() - started
+            warn_once("stalled", "exp_manager: %s Carrying on as upstream NeMo does (log_dir %s, no ordering with "
+                      "rank 0's move); check rank 0's filesystem.", exc, own[0])  # fmt: skip
+            return own
         except RankZeroAbsent as exc:
             self.waited = time.monotonic() - started
             warn_once(
