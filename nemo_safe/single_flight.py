@@ -24,12 +24,13 @@ whose exclusive create carries a verifier) elects the leader instead. No file lo
 * A leader alive but stuck (its job blocked in ``recv`` on a half-open socket,
   ``urlopen`` has no timeout, or in a hung NFS call) beats on without progress:
   once it has been idle for :data:`PROGRESS_LIMIT` (10 s, by its own count of
-  beats), each waiter does what upstream would have done, with one warning
-  naming it: it runs the job itself, unordered, without the lock (the stuck
-  leader may yet come back: every file the patched libraries write is
-  published atomically under a per-writer temporary name, so two writers are
-  safe; ``hold()`` yields True without leading). Such a leader never makes a
-  waiter raise :class:`WaitTimeout`.
+  beats), it is taken over as a dead one is (the next generation, created by
+  exactly one waiter, which does the job again, with one warning naming the
+  stuck leader; the others wait for the new leader): what upstream would have
+  done, downloading again, but once, not in every waiter (one staged copy
+  per waiter could fill a tight disk). If the stuck leader comes back it is
+  deposed and publishes nothing. Such a leader never makes a waiter raise
+  :class:`WaitTimeout`.
 * A leader killed by SIGTERM (``scancel``, preemption, torchrun's teardown),
   where SIGTERM's handler is the default, marks its lock ``abandoned`` and
   removes its temporaries before it dies of the signal (exit status as
@@ -222,8 +223,6 @@ class _Watch:
 
 #: What :meth:`SingleFlight._look` returns while neither done nor elected.
 _KEEP_WAITING = -1
-#: What it returns when the leader beats but its job is stuck: run the job here, without the lock.
-_UNORDERED = -2
 
 
 def _block_sigterm() -> None:
@@ -304,8 +303,6 @@ class SingleFlight:
         self.poll_max = _poll_cap() if poll_max is None else positive_seconds(f"{self.what}: poll_max", poll_max)
         #: True when this process ran the job (tests and the demo report it).
         self.led = False
-        #: True when it ran the job without the lock, its leader stuck (see :data:`PROGRESS_LIMIT`).
-        self.unordered = False
         self._generation: int | None = None  # the generation this process leads
         self._deposed = threading.Event()
 
@@ -452,19 +449,13 @@ class SingleFlight:
             return
         held.add(key)
         try:
-            if generation == _UNORDERED:  # the leader is stuck: as without nemo_safe, nothing recorded
-                self.led = self.unordered = True
-                with released_on_sigterm(lambda: None):  # its temporaries, if SIGTERM ends it
-                    yield True
-            else:
-                with self._lead(generation):
-                    yield True
+            with self._lead(generation):
+                yield True
         finally:
             held.discard(key)
 
     def _wait(self, done: Callable[[], bool]) -> int | None:
-        """None once ``done()`` holds; the generation this process won the lock of, when it must lead;
-        :data:`_UNORDERED` when it must run the job without the lock (its leader is stuck)."""
+        """None once ``done()`` holds; the generation this process won the lock of, when it must lead."""
         waiting = _Waiting(self)
         while True:
             if done():
@@ -547,12 +538,16 @@ class _Waiting:
         idle = info.get("idle", 0) * HEARTBEAT if state == "running" else 0.0
         beating = state == "running" and watch.frozen_for() < DEAD_PID_BEATS * HEARTBEAT
         if idle >= f.progress_limit or (beating and time.monotonic() > self.deadline):
-            log.warning(
-                "nemo_safe: %s: the process doing it (host %s, pid %s) is alive but its work made no progress "
-                "for %.0f s (stuck in a call that does not return?); doing it here too, without waiting for it, "
-                "as without nemo_safe", f.what, info.get("host"), info.get("pid"), watch.standstill(info),
-            )  # fmt: skip
-            return _UNORDERED
+            if f.locks.try_lead(current + 1):
+                log.warning(
+                    "nemo_safe: %s: the process doing it (host %s, pid %s) is alive but its work made no progress "
+                    "for %.0f s (stuck in a call that does not return?); this process does it again instead (the "
+                    "stuck one publishes nothing if it comes back)", f.what, info.get("host"), info.get("pid"),
+                    watch.standstill(info),
+                )  # fmt: skip
+                return current + 1
+            self.backoff.sleep(self.deadline)  # another waiter took over first: wait for that one
+            return _KEEP_WAITING
         if time.monotonic() > self.deadline:
             raise WaitTimeout(
                 f"{f.what}: waited {self.progress.elapsed:.0f} s for the process doing it (host "

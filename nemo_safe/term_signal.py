@@ -34,9 +34,16 @@ __all__ = ["released_on_sigterm"]
 
 _releases: dict[int, Callable[[], None]] = {}
 _keys = itertools.count()
+#: The process whose leads :data:`_releases` holds: a forked child inherits the handler and the
+#: table, but a child that gets SIGTERM (``Process.terminate()``) must not give up its parent's lead.
+_installed_by: list[int] = []
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _installed_by != [os.getpid()]:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child: die of it, as without nemo_safe
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     for release in list(_releases.values()):
         try:
             release()
@@ -54,10 +61,14 @@ def _install() -> bool:
         return False
     handler = signal.getsignal(signal.SIGTERM)
     if handler is _on_sigterm:
+        if _installed_by != [os.getpid()]:  # a forked child leading a flight of its own: not its parent's
+            _releases.clear()
+            _installed_by[:] = [os.getpid()]
         return True
     if handler is not signal.SIG_DFL:
         return False
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _installed_by[:] = [os.getpid()]
     return True
 
 

@@ -191,13 +191,13 @@ def test_waiters_of_a_spawned_job_poll_as_a_small_job(tmp_path: Path, monkeypatc
         dist.destroy_process_group()
 
 
-def test_a_beating_leader_stuck_in_recv_makes_a_waiter_run_the_job_not_time_out(
+def test_a_beating_leader_stuck_in_recv_is_taken_over_not_timed_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A leader (here a thread of this process) whose job blocks in ``recv`` on a silent connection beats
     on without progress. A waiter whose timeout (2 s) is shorter than the progress limit does not raise
-    WaitTimeout at it: it runs the job itself, unordered (no lock of its own, nothing recorded), with
-    one warning naming the leader; the lock stays the stuck leader's."""
+    WaitTimeout at it: it takes over (the next generation) and runs the job, with one warning naming the
+    leader; the stuck leader, released later, is deposed and publishes nothing."""
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
     peer, _ = server.accept()
@@ -216,6 +216,7 @@ def test_a_beating_leader_stuck_in_recv_makes_a_waiter_run_the_job_not_time_out(
         started = time.monotonic()
         with waiter.hold(made.exists) as runs_here:
             seen.update(runs_here=runs_here, locks=sorted(p.name for p in (tmp_path / LOCK_DIRNAME).iterdir()))
+            seen["stuck"] = json.loads((tmp_path / LOCK_DIRNAME / "job.0").read_text())
             made.write_text("x")
         seen["took"] = time.monotonic() - started
 
@@ -227,12 +228,11 @@ def test_a_beating_leader_stuck_in_recv_makes_a_waiter_run_the_job_not_time_out(
             waiting.start()
             waiting.join(30)  # hang guard: a waiter that trusts beats waits as long as the leader is stuck
             assert not waiting.is_alive(), "the waiter is still waiting for the stuck leader"
-        assert seen["runs_here"] and waiter.unordered and seen["locks"] == ["job.0"], seen
+        assert seen["runs_here"] and waiter.led and seen["locks"] == ["job.0", "job.1"], seen
         assert 2 <= seen["took"] < 2 + 5, seen
         warnings = [r.getMessage() for r in caplog.records if "made no progress" in r.getMessage()]
         assert len(warnings) == 1 and f"pid {os.getpid()})" in warnings[0], warnings
-        lock = json.loads((tmp_path / LOCK_DIRNAME / "job.0").read_text())
-        assert lock["state"] == "running" and lock["idle"] >= 1, lock
+        assert seen["stuck"]["state"] == "running" and seen["stuck"]["idle"] >= 1, seen
     finally:
         peer.sendall(b"x")  # the stuck job returns; the leader finds done() and cleans up
         leader.join(30)
@@ -255,3 +255,23 @@ def test_sigterm_handler_is_installed_only_over_the_default_and_only_while_leadi
         finally:
             signal.signal(signal.SIGTERM, old)
     assert seen == [False, True, True]
+
+
+def test_a_forked_child_killed_by_sigterm_leaves_its_parents_lead_alone(tmp_path: Path) -> None:
+    """A leader forks (a DataLoader worker, ``Process.terminate()`` later): the child inherits the SIGTERM
+    handler and its table of leads, but its death must not mark the parent's lock abandoned (the waiters
+    would download a second time while the parent goes on) nor remove the parent's temporaries."""
+    with SingleFlight(tmp_path, "job").hold(lambda: False) as leading:
+        assert leading
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: say it runs (a signal during fork's own set-up is lost), wait to be terminated
+            os.write(ready_w, b"r")
+            time.sleep(60)
+            os._exit(0)
+        assert os.read(ready_r, 1) == b"r"
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        lock = json.loads((tmp_path / LOCK_DIRNAME / "job.0").read_text())
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status  # died of it, as upstream
+    assert lock["state"] == "running" and lock["pid"] == os.getpid(), lock
