@@ -39,6 +39,8 @@ class Waiter:
         self.b = barrier
         self.grace = grace
         self.stall_limit = stall_limit
+        #: Rank 0's beat changed while this rank watched: it is alive now (not a state frozen by a kill).
+        self.saw_beat = False
         self.progress = Progress()
         self.backoff = Backoff(barrier.poll_max)
         self.deadline = time.monotonic() + barrier.timeout
@@ -90,6 +92,7 @@ class Waiter:
         if (state.get("session"), state.get("beat")) != self.alive:
             if self.alive is not None:  # rank 0 is alive and working: the timeout counts silence
                 self.deadline = max(self.deadline, time.monotonic() + b.timeout)
+                self.saw_beat = True
             self.alive = (state.get("session"), state.get("beat"))
         self.last = state
         self._check_rank_zero_advances(state)
@@ -148,9 +151,13 @@ class Waiter:
 
     def _check_rank_zero_advances(self, state: dict[str, Any]) -> None:
         """With a stall limit: raise :class:`RankZeroStalled` when rank 0's own beat says its work has not
-        advanced for that long (its count, so a waiter that arrives late sees it at once)."""
+        advanced for that long (its count, so a waiter that arrives late sees it after one beat). Only for
+        this attempt's rank 0 whose beat this rank saw move: a state frozen by a killed rank 0 is silence,
+        which the timeout judges, not a stall."""
         idle = state.get("idle")
         if self.stall_limit is None or state.get("phase") != "collect" or type(idle) is not int:
+            return
+        if not self.saw_beat or not self._sign_of_rank_zero(state):
             return
         if idle * RANK0_HEARTBEAT < self.stall_limit:
             return
