@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_safe.atomic_files import pid_namespace
 from nemo_safe.errors import BarrierTimeout, RankZeroFailed
 from nemo_safe.records import has_field_types
 
@@ -62,18 +63,8 @@ def _start_ticks(pid: int | str = "self") -> int | None:
         return None
 
 
-def _pid_namespace() -> str:
-    """This boot's pid namespace (``<boot id>:pid:[inode]``): pids compare only within one, and ""
-    where it is unknown (no /proc), so that nothing is ever judged gone there."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}:{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
-
-
-_PID_NAMESPACE = _pid_namespace()
+#: This boot's pid namespace: pids compare only within one; "" where unknown (nothing is judged gone then).
+_PID_NAMESPACE = pid_namespace() or ""
 
 
 def this_process() -> dict[str, Any]:
