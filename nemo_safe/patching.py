@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from nemo_safe.version_gate import SourceGate  # noqa: F401  (its home before version_gate.py)
+
 if TYPE_CHECKING:  # importlib.abc costs ~15 ms (importlib.resources); the import system needs no base class
     import importlib.abc
     import importlib.machinery
@@ -81,77 +83,6 @@ def _load_deferred(module_names: set[str]) -> None:
                 load()
             except Exception:  # the apply that follows fails the same way and logs it under the patch's name
                 pass
-
-
-class SourceGate:
-    """The version gate every patch declares: sha256 over the sources of the ``parts`` of the module
-    it changes must be a digest in ``known`` (digest -> release); anything else keeps upstream's
-    behaviour, with one warning per process (a job of thousands of ranks logs it once per rank, not
-    per import). ``inspect.getsource`` follows ``__wrapped__``: where the patch's wrappers name the
-    upstream function they wrap, a module the patch is in place in gives the same digest (NeMo,
-    torch.hub, the MNIST family); where it puts other functions in place (the atomic downloads), a
-    patched module is not recognised, which only ``nemo-safe doctor``'s text depends on.
-
-    ``library`` names the distribution ("NeMo", "torchvision", "torch") in messages; ``unpatched``
-    says what upstream does, for ``nemo-safe doctor``; ``consequence`` what staying upstream means.
-    ``also`` is an extra condition on the module (e.g. the order of calls the patch relies on)."""
-
-    #: What reading a part's source can raise for a changed or compiled module.
-    UNREADABLE = (AttributeError, KeyError, OSError, StopIteration, TypeError)
-
-    def __init__(
-        self,
-        target: str,
-        parts: Callable[[ModuleType], Sequence[object]],
-        known: dict[str, str],
-        library: str,
-        unpatched: str,
-        consequence: str,
-        also: Callable[[ModuleType], bool] | None = None,
-    ) -> None:
-        self.target, self.parts, self.known, self.library = target, parts, known, library
-        self.unpatched, self.consequence, self.also = unpatched, consequence, also
-        self._warned = False
-
-    def digest(self, module: ModuleType) -> str:
-        import hashlib
-        import inspect
-
-        text = "".join(inspect.getsource(part) for part in self.parts(module))  # type: ignore[arg-type]
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def recognise(self, module: ModuleType) -> str | None:
-        """The verified release ``module`` is (patched or not), or None."""
-        try:
-            release = self.known.get(self.digest(module))
-            return release if release is not None and (self.also is None or self.also(module)) else None
-        except self.UNREADABLE:
-            return None
-
-    def warn_unknown(self, module: ModuleType) -> None:
-        with _lock:
-            if self._warned:
-                return
-            self._warned = True
-        try:
-            digest = self.digest(module)[:16] + "..."
-        except self.UNREADABLE:
-            digest = "unreadable"
-        log.warning(
-            "nemo_safe: %s (sources sha256 %s) does not match a %s release nemo_safe knows (%s); it is left "
-            "untouched: %s. Run `nemo-safe doctor` and report the %s version.",
-            self.target, digest, self.library, ", ".join(sorted(set(self.known.values()))), self.consequence,
-            self.library,
-        )  # fmt: skip
-
-    def describe(self, module: ModuleType) -> str:
-        """What the unpatched module is to the patch (see :class:`Patch`)."""
-        release = self.recognise(module)
-        if release is None:
-            return f"unknown {self.library} version (sources of {self.target} do not match a known release): " + (
-                self.unpatched
-            )
-        return f"recognised as {release}: {self.unpatched}"
 
 
 _CURRENT = object()

@@ -238,20 +238,43 @@ spec.loader.exec_module(module)
 original = module.check_resume
 import nemo_safe
 from nemo_safe import patching
+patch = next(p for p in patching.registered() if p.name == "nemo-exp-manager-resume")
 print(module.check_resume is original, [p for p in patching.active() if p.startswith("nemo")])
+print(patching.status(patch)[1])
 """
 
+MOVE_MARKER = "    if is_global_rank_zero():\n        # Check to see if any files exist that need to be moved\n"
+#: Edits of the installed exp_manager.py: (what, replacement) pairs, and whether the patch must still apply.
+GUARD_EDITS = {
+    # Formatting, comments, annotations and a change the patch does not rely on: recognised by structure.
+    "harmless": (
+        [
+            ("            new_run_dir.mkdir()\n", "            new_run_dir.mkdir(exist_ok=True)  # edited\n"),
+            ("def check_resume(\n", "def check_resume(  # edited\n"),
+        ],
+        True,
+    ),
+    # The move no longer rank 0's only: every rank would archive rank 0's new files after it.
+    "move on every rank": ([(MOVE_MARKER, MOVE_MARKER.replace("is_global_rank_zero()", "True"))], False),
+    # No fixed sleep after check_resume: a release that orders start-up some other way (1.20.0 had none).
+    "no fixed sleep": ([("time.sleep(cfg.seconds_to_sleep)", "time.sleep(0)")], False),
+}
 
-def test_unknown_nemo_version_is_left_untouched(tmp_path: Path) -> None:
-    """The real exp_manager.py with one changed line in check_resume: one warning, no patch."""
+
+@pytest.mark.parametrize("case", list(GUARD_EDITS))
+def test_version_guard_by_structure(tmp_path: Path, case: str) -> None:
+    """The real exp_manager.py, edited: a harmless edit is patched (by structure, said at INFO); an edit of
+    a fact the patch relies on leaves upstream's code in place, with one warning naming the fact."""
     import importlib.util
 
     real = Path(importlib.util.find_spec("nemo").submodule_search_locations[0]) / "utils" / "exp_manager.py"
     text = real.read_text()
-    marker = "            new_run_dir.mkdir()\n"
-    assert marker in text
+    edits, patched = GUARD_EDITS[case]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
     changed = tmp_path / "exp_manager.py"
-    changed.write_text(text.replace(marker, "            new_run_dir.mkdir(exist_ok=True)\n"))
+    changed.write_text(text)
     out = subprocess.run(
         [sys.executable, "-c", GUARD_PROGRAM, str(changed)],
         env=clean_env(),
@@ -259,14 +282,23 @@ def test_unknown_nemo_version_is_left_untouched(tmp_path: Path) -> None:
         text=True,
         timeout=HANG_GUARD,
     )
-    assert out.stdout.strip().splitlines()[-1] == "True []", out.stderr[-2000:]
-    assert out.stderr.count("does not match a NeMo release nemo_safe knows") == 1
+    same, status = out.stdout.strip().splitlines()[-2:]
+    if patched:
+        assert same == "False ['nemo-exp-manager-resume']", out.stderr[-2000:]
+        assert status.startswith("recognised by structure"), status
+        assert "left untouched" not in out.stderr
+    else:
+        assert same == "True []", out.stderr[-2000:]
+        assert status.startswith("declined: "), status
+        assert out.stderr.count("nemo.utils.exp_manager is left untouched, declined: ") == 1, out.stderr[-2000:]
+        fact = {"move on every rank": "check_resume moves old files only under", "no fixed sleep": "then time.sleep("}
+        assert fact[case] in status and fact[case] in out.stderr, status
 
 
 def test_doctor_shows_the_nemo_case() -> None:
     nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
     out = subprocess.run([nemo_safe_cli, "doctor"], env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
-    assert "nemo-exp-manager-resume    ACTIVE: matches nemo_toolkit 2.7.3 / 3.0.0: rank 0 first" in out.stdout
+    assert "nemo-exp-manager-resume    ACTIVE: verified on nemo_toolkit" in out.stdout, out.stdout
 
 
 IMPORT_ORDER_PROGRAM = """

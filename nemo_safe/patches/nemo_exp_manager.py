@@ -22,6 +22,7 @@ before ``fit()``, an interactive SLURM shell) nothing changes.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import logging
 import os
@@ -35,30 +36,97 @@ from typing import Any
 from nemo_safe.patches import nemo_resume_order
 from nemo_safe.patches.nemo_log_names import log_local_rank
 from nemo_safe.patches.nemo_resume_order import ResumeOrder
-from nemo_safe.patching import Replacements, SourceGate
+from nemo_safe.patching import Replacements
+from nemo_safe.version_gate import Fact, SourceGate, called_name, calls_in_order, function_tree
 
 log = logging.getLogger(__name__)
 
 MODULE = "nemo.utils.exp_manager"
-#: sha256 of the sources of ``check_resume`` and ``get_log_dir`` of the releases this patch was verified against.
+#: sha256 of the sources of ``check_resume`` and ``get_log_dir`` of the releases the release sweep tests
+#: (``ci/release_sweep.sh``); other releases are patched where every fact in :data:`FACTS` holds.
 KNOWN_SOURCES = {
     "d7f0fe25e8b6a2d7c9672b6a8efdc2513842d88313200a86d16c84d458649457": "nemo_toolkit 2.7.3 / 3.0.0",
+    "9a7a705b7cd588fa88fc1f5ea1003947b66a65dbb216b3f719366513fe00b8d8": "nemo_toolkit 2.0.0",
+    "365e87e603aa21c54a9077160fd2da2409390f53f63c5c3b1c3e0516c0aa163e": "nemo_toolkit 1.23.0",
 }
-#: What ``exp_manager()`` must do, in this order, for the replaced globals to take effect.
-EXP_MANAGER_CALLS = ("get_log_dir(", "check_resume(", "time.sleep(cfg.seconds_to_sleep)")
+#: The call that gives non-zero ranks their fixed wait, which the patch cuts.
+SLEEP_CALL = "time.sleep(cfg.seconds_to_sleep)"
 
 
-def _source(function: Callable[..., Any]) -> str:
-    """The upstream source, also when nemo_safe's wrapper is installed in its place."""
-    return inspect.getsource(inspect.unwrap(function))
+def _calls_of(tree: ast.AST) -> list[tuple[str, ast.Call]]:
+    return [(called_name(call), call) for call in calls_in_order(tree)]
+
+
+def _takes_trainer_and_cfg(module: ModuleType) -> bool:
+    return [a.arg for a in function_tree(module.exp_manager).args.args[:2]] == ["trainer", "cfg"]
+
+
+def _get_log_dir_parameters(module: ModuleType) -> bool:
+    return {"trainer", "explicit_log_dir"} <= set(inspect.signature(inspect.unwrap(module.get_log_dir)).parameters)
+
+
+def _unpacks_four_parts(module: ModuleType) -> bool:
+    """``log_dir, exp_dir, name, version = get_log_dir(...)``, once."""
+    tree = function_tree(module.exp_manager)
+    calls = [call for name, call in _calls_of(tree) if name == "get_log_dir"]
+    assigned = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and called_name(node.value) == "get_log_dir"
+    ]
+    return (
+        len(calls) == 1
+        and len(assigned) == 1
+        and assigned[0].value is calls[0]
+        and isinstance(assigned[0].targets[0], ast.Tuple)
+        and len(assigned[0].targets[0].elts) == 4
+    )
+
+
+def _is_sleep_call(name: str, call: ast.Call) -> bool:
+    return name == "time.sleep" and len(call.args) == 1 and ast.unparse(call.args[0]) == "cfg.seconds_to_sleep"
 
 
 def _calls_in_order(module: ModuleType) -> bool:
-    """``exp_manager()`` calls what the patch replaces in the order it relies on."""
-    body = _source(module.exp_manager)
-    positions = [body.find(call) for call in EXP_MANAGER_CALLS]
-    return -1 not in positions and positions == sorted(positions)
+    """``get_log_dir``, then ``check_resume``, then the fixed sleep: each once, in that order."""
+    calls = _calls_of(function_tree(module.exp_manager))
+    names = ["sleep" if _is_sleep_call(name, call) else name for name, call in calls]
+    wanted = ["get_log_dir", "check_resume", "sleep"]
+    if any(names.count(name) != 1 for name in wanted):
+        return False
+    return [names.index(name) for name in wanted] == sorted(names.index(name) for name in wanted)
 
+
+def _move_is_rank_zero_only(module: ModuleType) -> bool:
+    """Every ``move`` in ``check_resume`` sits under ``if is_global_rank_zero():`` (and there is one)."""
+    tree = function_tree(module.check_resume)
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and called_name(node.test) == "is_global_rank_zero":
+            guarded.update(id(call) for statement in node.body for call in ast.walk(statement))
+    moves = [call for name, call in _calls_of(tree) if name in ("move", "shutil.move", "os.rename",
+                                                                            "os.replace")]  # fmt: skip
+    return bool(moves) and all(id(call) in guarded for call in moves)
+
+
+def _module_globals(module: ModuleType) -> bool:
+    return isinstance(getattr(module, "time", None), ModuleType | _SleepGate) and callable(
+        getattr(module, "is_global_rank_zero", None)
+    )
+
+
+#: What the patch relies on in ``nemo.utils.exp_manager`` (true from nemo_toolkit 1.21.0 on; 1.20.0 has no
+#: fixed sleep and calls ``check_resume`` only when resuming).
+FACTS = (
+    Fact("exp_manager(trainer, cfg)", _takes_trainer_and_cfg),
+    Fact("get_log_dir takes trainer and explicit_log_dir", _get_log_dir_parameters),
+    Fact("exp_manager() unpacks log_dir, exp_dir, name, version from one get_log_dir() call", _unpacks_four_parts),
+    Fact(f"exp_manager() calls get_log_dir, then check_resume, then {SLEEP_CALL}, each once", _calls_in_order),
+    Fact("check_resume moves old files only under `if is_global_rank_zero():`", _move_is_rank_zero_only),
+    Fact("the module globals time and is_global_rank_zero", _module_globals),
+)
 
 GATE = SourceGate(
     MODULE,
@@ -67,7 +135,8 @@ GATE = SourceGate(
     library="NeMo",
     unpatched="upstream's exp_manager runs (resume race remains)",
     consequence="exp_manager keeps upstream's resume race",
-    also=_calls_in_order,
+    facts=FACTS,
+    by_facts=True,  # the patch wraps get_log_dir and check_resume, it never replaces their bodies
 )
 source_digest, recognise = GATE.digest, GATE.recognise
 
@@ -172,11 +241,11 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
 
 
 def apply(module: ModuleType) -> Replacements | None:
-    release = recognise(module)
-    if release is None:
-        GATE.warn_unknown(module)
+    verdict = GATE.verdict(module)
+    GATE.note(module, verdict)
+    if not verdict.patches:
         return None
-    changes = Replacements(f"matches {release}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep")
+    changes = Replacements(f"{verdict}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep")
     changes.set(module, "get_log_dir", _make_get_log_dir(module.get_log_dir))
     changes.set(module, "check_resume", _make_check_resume(module.check_resume))
     changes.set(module, "exp_manager", _make_exp_manager(module.exp_manager, module))

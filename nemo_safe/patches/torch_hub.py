@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import re
 from collections.abc import Callable
 from types import ModuleType
 
-from nemo_safe.patching import Replacements, SourceGate
+from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable, run_else_upstream
+from nemo_safe.version_gate import Fact, SourceGate, called_name, calls_in_order, function_tree
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,24 @@ KNOWN_SOURCES = {
 MAX_NAME = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
+
+def _download_parameters(module: ModuleType) -> bool:
+    parameters = list(inspect.signature(inspect.unwrap(module.download_url_to_file)).parameters)
+    return parameters[:4] == ["url", "dst", "hash_prefix", "progress"]
+
+
+def _loads_through_module_global(module: ModuleType) -> bool:
+    """``load_state_dict_from_url`` calls ``download_url_to_file`` by its module-global name."""
+    calls = calls_in_order(function_tree(module.load_state_dict_from_url))
+    return any(called_name(call) == "download_url_to_file" for call in calls)
+
+
+#: What the patch relies on in ``torch.hub`` (it wraps ``download_url_to_file``, never replaces its body).
+FACTS = (
+    Fact("download_url_to_file(url, dst, hash_prefix, progress)", _download_parameters),
+    Fact("load_state_dict_from_url calls the module global download_url_to_file", _loads_through_module_global),
+)
+
 GATE = SourceGate(
     MODULE,
     lambda module: [getattr(module, name) for name in FUNCTIONS],
@@ -63,6 +83,8 @@ GATE = SourceGate(
     library="torch",
     unpatched="downloads as upstream does (every process that misses a file in the hub folder)",
     consequence="pretrained-weight downloads stay as upstream has them (every process downloads)",
+    facts=FACTS,
+    by_facts=True,
 )
 source_digest, recognise = GATE.digest, GATE.recognise
 
@@ -130,11 +152,11 @@ def _check_hash(path: str, hash_prefix: str) -> None:
 
 
 def apply(module: ModuleType) -> Replacements | None:
-    known = recognise(module)
-    if known is None:
-        GATE.warn_unknown(module)
+    verdict = GATE.verdict(module)
+    GATE.note(module, verdict)
+    if not verdict.patches:
         return None
-    changes = Replacements(f"one download per destination file at a time ({known})")
+    changes = Replacements(f"{verdict}: one download per destination file at a time")
     changes.set(module, "download_url_to_file", single_flight_download(module.download_url_to_file))
     return changes
 

@@ -19,9 +19,10 @@ that same check holds (a check that looks at one of several downloaded folders
 must not release it early), or raises the leader's error. No head start for rank
 0: a rank that downloads what rank 0 never asks for would wait for nothing.
 Ranks whose arguments differ do not meet and download as upstream does (each
-file still atomic). The verified-source gate (:data:`KNOWN_SOURCES`: the class's ``__init__``,
-download method and check) decides class by class; a class whose source
-differs keeps upstream's behaviour, with one warning naming it.
+file still atomic). The gate decides class by class (:func:`class_verdict`: the class's
+``__init__``, download method and check byte for byte in :data:`KNOWN_SOURCES`, in any
+release's table, or an ``__init__`` that calls the download method and then the check); a class
+that is neither keeps upstream's behaviour, with one warning naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable, run_else_upstream
+from nemo_safe.version_gate import DECLINED, STRUCTURE, UNREADABLE, VERIFIED, Verdict, init_downloads_then_checks
 
 log = logging.getLogger(__name__)
 
@@ -137,19 +139,39 @@ def class_digest(cls: type, method: str, check: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def recognised(module: ModuleType) -> tuple[str | None, dict[str, type]]:
-    """The release and the covered classes whose sources match it (the others are left alone)."""
-    found: dict[str, str] = {}
+def class_verdict(cls: type, method: str, check: str, name: str) -> Verdict:
+    """Verified where the class's parts are a verified release's byte for byte (in any release's table:
+    classes change in different releases); recognised by structure where its ``__init__`` calls the download
+    method and then the check (the wrapper runs the class's own download, whatever it prints or fetches);
+    else declined."""
+    try:
+        found = class_digest(cls, method, check)
+        for release, digests in KNOWN_SOURCES.items():
+            if digests.get(name) == found:
+                return Verdict(VERIFIED, release)
+        if init_downloads_then_checks(cls, method, check):
+            return Verdict(STRUCTURE, f"its __init__ calls self.{method}(), then self.{check}()")
+    except UNREADABLE as exc:
+        return Verdict(DECLINED, f"its sources cannot be read ({type(exc).__name__})")
+    return Verdict(DECLINED, f"its __init__ does not call self.{method}() and then self.{check}()")
+
+
+def verdicts(module: ModuleType) -> dict[str, Verdict]:
+    """Each covered class's verdict (a class the module does not define is left out)."""
+    out = {}
     for name, (method, check) in COVERED.items():
-        try:
-            found[name] = class_digest(getattr(module, name), method, check)
-        except (AttributeError, KeyError, OSError, StopIteration, TypeError):
-            continue
-    for release, digests in KNOWN_SOURCES.items():
-        matching = {name: getattr(module, name) for name, digest in digests.items() if found.get(name) == digest}
-        if matching:
-            return release, matching
-    return None, {}
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            out[name] = class_verdict(cls, method, check, name)
+    return out
+
+
+def recognised(module: ModuleType) -> tuple[str | None, dict[str, type]]:
+    """The newest verified release any patched class matches, and the classes that are patched."""
+    found = verdicts(module)
+    classes = {name: getattr(module, name) for name, verdict in found.items() if verdict.patches}
+    releases = [v.detail for v in found.values() if v.status == VERIFIED]
+    return (max(releases) if releases else None), classes
 
 
 def single_flight(original: Callable[[Any], None], check: str) -> Callable[[Any], None]:
@@ -158,7 +180,10 @@ def single_flight(original: Callable[[Any], None], check: str) -> Callable[[Any]
     holds, or raise the leader's error."""
 
     def download(self: Any) -> None:
-        folder = os.path.abspath(os.path.expanduser(os.fspath(self.root)))
+        root = getattr(self, "root", None)
+        if not isinstance(root, str | os.PathLike):
+            return original(self)  # no root to meet in (a class of another release): as upstream
+        folder = os.path.abspath(os.path.expanduser(os.fspath(root)))
         try:
             os.makedirs(folder, exist_ok=True)  # upstream's download creates it anyway
         except OSError:
@@ -201,19 +226,21 @@ def _path_or_refuse(value: Any) -> str:
 
 
 def apply(module: ModuleType) -> Replacements | None:
-    release, classes = recognised(module)
-    unverified = sorted(set(COVERED) - set(classes))
-    if unverified and "unverified" not in _warned:
-        _warned.add("unverified")
+    found = verdicts(module)
+    classes = {name: getattr(module, name) for name, verdict in found.items() if verdict.patches}
+    declined = sorted(name for name, verdict in found.items() if not verdict.patches)
+    if declined and "declined" not in _warned:
+        _warned.add("declined")
         log.warning(
-            "nemo_safe: torchvision.datasets: %s do not match a release nemo_safe was verified against (%s); "
-            "their downloads stay as upstream has them (every process downloads).",
-            ", ".join(unverified),
+            "nemo_safe: torchvision.datasets: %s are left untouched: %s (verified on %s); their downloads stay as "
+            "upstream has them (every process downloads).",
+            ", ".join(declined),
+            found[declined[0]].detail,
             ", ".join(KNOWN_SOURCES),
         )
     if not classes:
         return None
-    changes = Replacements(f"one download per root for {len(classes)} dataset classes ({release})")
+    changes = Replacements(f"one download per root for {len(classes)} dataset classes ({_summary(found)})")
     patched: set[type] = set()
     for name, cls in classes.items():
         method, check = COVERED[name]
@@ -227,9 +254,16 @@ def apply(module: ModuleType) -> Replacements | None:
     return changes
 
 
+def _summary(found: dict[str, Verdict]) -> str:
+    """``27 verified on torchvision 0.29.1``, ``20 recognised by structure, 7 declined``, ..."""
+    counts: dict[str, int] = {}
+    for verdict in found.values():
+        key = str(verdict) if verdict.status == VERIFIED else {STRUCTURE: "recognised by structure",
+                                                                DECLINED: "declined"}[verdict.status]  # fmt: skip
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {key}" for key, n in counts.items()) or "no covered class"
+
+
 def describe(module: ModuleType) -> str:
     """The unpatched module (see :class:`~nemo_safe.patching.Patch`)."""
-    release, classes = recognised(module)
-    if release is None:
-        return "unknown torchvision version: every process downloads every dataset"
-    return f"recognised as {release} ({len(classes)} of {len(COVERED)} classes): every process downloads"
+    return f"{_summary(verdicts(module))} of {len(COVERED)} classes: every process downloads"

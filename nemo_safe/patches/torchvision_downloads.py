@@ -51,8 +51,9 @@ from nemo_safe.archive_members import checked_tar_members, zip_names
 from nemo_safe.atomic_files import merge_tree, seal, sibling_temp, unlink_if_exists
 from nemo_safe.patches import torchvision_upstream
 from nemo_safe.patches.upstream_code import run_in
-from nemo_safe.patching import Replacements, SourceGate
+from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import check_still_leading
+from nemo_safe.version_gate import Fact, SourceGate, called_name, calls_in_order, function_tree
 from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,43 @@ SHARED = ("_urlretrieve", "_decompress", "_atomic_extractor")
 KNOWN_UTILS = {
     "b154c4821097b883741abdea9ca7ddfa261513ab9905bea0442c29c921b7f6f3": "torchvision 0.29.1",
 }
+#: The functions whose bodies the overlay replaces with its own (``_urlretrieve``, ``_decompress``, the tar
+#: extractor; the zip extractor is wrapped but listed): they must be a verified release's up to formatting,
+#: comments and annotations (:data:`KNOWN_SHAPES`), so that they return and raise what this release's do.
+REPLACED = ("_urlretrieve", "_decompress", "_extract_tar", "_extract_zip")
+KNOWN_SHAPES = {
+    "b6ae41c05a8d103d018caa2e371798bb0e8b36e2755d9a1008eec7caecc7cfd9": "torchvision 0.29.1",
+}
+
+
+def _download_url_parameters(utils: ModuleType) -> bool:
+    names = list(inspect.signature(inspect.unwrap(utils.download_url)).parameters)
+    return names == ["url", "root", "filename", "md5", "max_redirect_hops"]
+
+
+def _calls_by_global_name(function: str, *callees: str) -> Callable[[ModuleType], bool]:
+    def holds(utils: ModuleType) -> bool:
+        names = {called_name(call) for call in calls_in_order(function_tree(getattr(utils, function)))}
+        return set(callees) <= names
+
+    return holds
+
+
+def _extractors_by_suffix(utils: ModuleType) -> bool:
+    extractors = getattr(utils, "_ARCHIVE_EXTRACTORS", None)
+    return isinstance(extractors, dict) and {".tar", ".zip"} <= set(extractors)
+
+
+#: What the patch relies on around the functions it replaces (true from torchvision 0.18 on, whose download_url
+#: differs from 0.29.1's only by its print calls, which keep running: download_url is wrapped, not replaced).
+FACTS = (
+    Fact("download_url(url, root, filename, md5, max_redirect_hops)", _download_url_parameters),
+    Fact("download_url calls the module globals _urlretrieve and check_integrity",
+         _calls_by_global_name("download_url", "_urlretrieve", "check_integrity")),
+    Fact("extract_archive calls the module global _decompress",
+         _calls_by_global_name("extract_archive", "_decompress")),
+    Fact("_ARCHIVE_EXTRACTORS maps .tar and .zip to extractors", _extractors_by_suffix),
+)  # fmt: skip
 
 _expected = threading.local()
 _ORIGINAL_DECOMPRESS: list[Callable[..., Any]] = []
@@ -81,6 +119,9 @@ GATE = SourceGate(
     library="torchvision",
     unpatched="downloads stay non-atomic",
     consequence="its downloads stay as upstream has them (not atomic)",
+    facts=FACTS,
+    shapes=KNOWN_SHAPES,
+    shape_parts=lambda module: [getattr(module, name) for name in REPLACED],
 )
 source_digest, recognise = GATE.digest, GATE.recognise
 
@@ -259,12 +300,12 @@ def md5_aware(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def apply_utils(utils: ModuleType) -> Replacements | None:
-    known = recognise(utils)
-    if known is None:
-        GATE.warn_unknown(utils)
+    verdict = GATE.verdict(utils)
+    GATE.note(utils, verdict)
+    if not verdict.patches:
         return None
     _ORIGINAL_DECOMPRESS[:] = [utils._decompress]
-    changes = Replacements(f"atomic downloads and extraction ({known})")
+    changes = Replacements(f"{verdict}: atomic downloads and extraction")
     changes.expect(utils, "_ARCHIVE_EXTRACTORS")
     shared = shared_functions(utils)
     changes.set(utils, "_urlretrieve", with_expected_md5(shared["_urlretrieve"]))

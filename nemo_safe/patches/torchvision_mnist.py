@@ -30,8 +30,9 @@ from typing import Any
 from nemo_safe.errors import LeaderDeposed
 from nemo_safe.patches import torchvision_mnist_upstream
 from nemo_safe.patches.upstream_code import run_in
-from nemo_safe.patching import Replacements, SourceGate
+from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable
+from nemo_safe.version_gate import Fact, SourceGate, init_downloads_then_checks
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,41 @@ _downloading = threading.local()
 #: Raw files already reported as incomplete (one warning per file and process).
 _warned: set[str] = set()
 
+
+def _own_methods(module: ModuleType) -> bool:
+    """MNIST, EMNIST and QMNIST define their own ``download`` and ``_check_exists`` (the ones wrapped)."""
+    return all(method in getattr(module, cls).__dict__ for cls in CLASSES for method in METHODS)
+
+
+def _raw_file_names(module: ModuleType) -> bool:
+    """What :func:`raw_files` reads: MNIST's ``raw_folder`` and ``resources``, EMNIST's and QMNIST's files."""
+    mnist = module.MNIST
+    return isinstance(mnist.__dict__.get("raw_folder"), property) and all(
+        isinstance(getattr(module, cls).__dict__.get(name), property)
+        for cls in ("EMNIST", "QMNIST")
+        for name in ("images_file", "labels_file")
+    )
+
+
+def _idx_reader(module: ModuleType) -> bool:
+    """What upstream's ``_is_complete_idx`` calls in this module."""
+    typemap = getattr(module, "SN3_PASCALVINCENT_TYPEMAP", None)
+    return isinstance(typemap, dict) and callable(getattr(module, "get_int", None)) and hasattr(module, "torch")
+
+
+def _init_downloads_then_checks(module: ModuleType) -> bool:
+    return init_downloads_then_checks(module.MNIST, "download", "_check_exists")
+
+
+#: What the patch relies on: it wraps each class's own ``download`` (run by one process at a time, as upstream's
+#: ``@_download_once`` does) and ``_check_exists`` (plus the IDX size check), never replacing their bodies.
+FACTS = (
+    Fact("MNIST, EMNIST and QMNIST define download and _check_exists", _own_methods),
+    Fact("MNIST.raw_folder, EMNIST's and QMNIST's images_file and labels_file are properties", _raw_file_names),
+    Fact("the module globals SN3_PASCALVINCENT_TYPEMAP, get_int and torch", _idx_reader),
+    Fact("MNIST.__init__ calls self.download(), then self._check_exists()", _init_downloads_then_checks),
+)
+
 GATE = SourceGate(
     MODULE,
     lambda module: [getattr(module, cls).__dict__[method] for cls in CLASSES for method in METHODS],
@@ -60,6 +96,8 @@ GATE = SourceGate(
     library="torchvision",
     unpatched="every process downloads, raw files are not validated",
     consequence="MNIST-family downloads stay as upstream has them (every process downloads)",
+    facts=FACTS,
+    by_facts=True,
 )
 source_digest, recognise = GATE.digest, GATE.recognise
 
@@ -157,11 +195,11 @@ def single_flight_download(original: Callable[[Any], None], once: Callable[..., 
 
 
 def apply(module: ModuleType) -> Replacements | None:
-    known = recognise(module)
-    if known is None:
-        GATE.warn_unknown(module)
+    verdict = GATE.verdict(module)
+    GATE.note(module, verdict)
+    if not verdict.patches:
         return None
-    changes = Replacements(f"one download per dataset folder, raw files validated ({known})")
+    changes = Replacements(f"{verdict}: one download per dataset folder, raw files validated")
     shared = shared_functions(module)
     for cls_name in CLASSES:
         cls = getattr(module, cls_name)
