@@ -4,17 +4,17 @@
 # regenerated from what ran (ci/support_table.py).
 #
 #   bash ci/release_sweep.sh                 # every profile below (about 25 min here once the environments exist)
-#   bash ci/release_sweep.sh nemo123 tv017   # some of them (what CI runs next to the main suite)
+#   bash ci/release_sweep.sh nemo123 tv017   # some of them (what CI runs next to the main suite; no table)
 #
 # A profile is a ci/constraints-<profile>.txt ("main" is ci/constraints.txt). Results go to
 # .sweep/<profile>.json; the table is written into README.md between its support-table markers.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-NEMO_PROFILES=(nemo123 nemo200 nemo273 main)
-TORCHVISION_PROFILES=(tv017 tv020 main)
+NEMO_PROFILES=(nemo123 nemo200 nemo233 nemo273 main)
+TORCHVISION_PROFILES=(tv017 tv020 tv024 main)
 profiles=("$@")
-[ ${#profiles[@]} -gt 0 ] || profiles=(nemo123 nemo200 nemo273 tv017 tv020 main)
+[ ${#profiles[@]} -gt 0 ] || profiles=(nemo123 nemo200 nemo233 nemo273 tv017 tv020 tv024 main)
 
 # The release-dependent NeMo tests: the race and its twin, the version guard, import orders, one process, the
 # exp_manager matrix under torchrun, NeMo 2.x's NeMoLogger path (skipped where NeMo has none). The fault cases and
@@ -46,5 +46,8 @@ for profile in "${profiles[@]}"; do
     "$venv/bin/python" ci/support_table.py record "$profile" "${args[@]}" --exit "$result"
     [ "$result" = 0 ] || status=$result
 done
-.venv/bin/python ci/support_table.py write README.md
+# The table only from a whole sweep: a partial one (CI's) would drop the other releases' rows.
+if [ $# -eq 0 ]; then
+    .venv/bin/python ci/support_table.py write README.md
+fi
 exit "$status"

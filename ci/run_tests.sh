@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh machine: system packages, the pinned
-# environments (.venv with nemo_toolkit 3.0.0, .venv-nemo273 with 2.7.3), the
-# local two-node SLURM cluster, lint, then pytest: everything on .venv, and the
-# NeMo tests again on .venv-nemo273; then the upstream patch series (patches/):
-# regenerated and compared right after lint, applied to the pristine releases and
-# tested at the end.
+# environments (.venv with nemo_toolkit 3.0.0; the release sweep's oldest, .venv-nemo123
+# and .venv-tv017; .venv-nemo273 for NeMo 2.x's NeMoLogger path), the local two-node
+# SLURM cluster, lint, then pytest: everything on .venv, the release-dependent tests on
+# the oldest releases; then the upstream patch series (patches/): regenerated and
+# compared right after lint, applied to the pristine releases and tested at the end.
 # Extra arguments go to pytest (e.g. `bash ci/run_tests.sh -k slurm`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,6 +21,8 @@ fi
 
 bash ci/setup_env.sh
 bash ci/setup_env.sh nemo273
+bash ci/setup_env.sh nemo123
+bash ci/setup_env.sh tv017
 
 started_cluster=0
 if ! sinfo -h >/dev/null 2>&1; then
@@ -40,20 +42,16 @@ step "upstream patch series are what the code generates"
 
 step "pytest (nemo_toolkit 3.0.0)"
 .venv/bin/python -m pytest tests --durations=25 "$@"
-step "pytest, NeMo tests again (nemo_toolkit 2.7.3)"
-# Release-dependent behaviour only: the race and its twin, the version guard, import orders, one process, the
-# exp_manager configuration matrix under torchrun (2.7.3 writes per-rank log files always). The fault cases
-# (killed task, read-only log_dir, trainer/launcher disagreeing), the demo command, Lightning's local launcher, the
-# matrix's srun, node-local and restart runs, node copies, and training + resume (Lightning's, after the same check_resume)
-# exercise nemo_safe's own code over get_log_dir and check_resume, identical in both releases: run once, above.
+step "release sweep, oldest releases (nemo_toolkit 1.23.0; torchvision 0.17.2 with torch 2.2.2)"
+# The release-dependent tests (ci/release_sweep.sh says which) on the oldest releases the sweep covers; the newest
+# are the main suite above. nemo_toolkit 2.7.3's check_resume and get_log_dir are 3.0.0's byte for byte.
+# (Extra arguments are pytest's: the sweep runs its own selection.)
+bash ci/release_sweep.sh nemo123 tv017
+step "NeMo 2.x's NeMoLogger path (nemo_toolkit 2.7.3; NeMo 3.0 has none)"
 status=0
-.venv-nemo273/bin/python -m pytest tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py \
-    -k "not demo_command and not local_launcher and not killed and not read_only and not disagree \
-        and not srun_two_nodes and not node_local and not node_copies and not restart and not train_then_resume" \
-    "$@" \
-    || status=$?
-# 5 (no test collected) only where extra arguments deselected every NeMo test. (An explicit exit: set -e does
-# not stop at a failing `a || { b && c; }`.)
+.venv-nemo273/bin/python -m pytest -q tests/test_nemo_logger_path.py "$@" || status=$?
+# 5 (no test collected) only where extra arguments deselected every test. (An explicit exit: set -e does not stop
+# at a failing `a || { b && c; }`.)
 if [ "$status" != 0 ] && ! { [ "$status" = 5 ] && [ $# -gt 0 ]; }; then
     exit "$status"
 fi

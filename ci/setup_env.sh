@@ -35,6 +35,12 @@ if [ ! -f "$venv/.complete" ]; then
     # Every package the constraints file names, at its pinned version.
     mapfile -t packages < <(sed -e 's/#.*//' -e 's/[<>=~!;[ ].*//' "$constraints" | grep -v '^$')
     "$venv/bin/pip" install -q -c "$constraints" "${packages[@]}"
+    # "#no-build-isolation: <package>" lines: sdists that build only against what is installed (an old NeMo's
+    # youtokentome needs Cython < 3 from the environment).
+    mapfile -t unisolated < <(sed -n 's/^#no-build-isolation: *//p' "$constraints")
+    if [ ${#unisolated[@]} -gt 0 ]; then
+        "$venv/bin/pip" install -q --no-build-isolation -c "$constraints" "${unisolated[@]}"
+    fi
     touch "$venv/.complete"
 else
     echo "setup_env: reusing $venv"

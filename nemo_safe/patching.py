@@ -27,8 +27,6 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from nemo_safe.version_gate import SourceGate  # noqa: F401  (its home before version_gate.py)
-
 if TYPE_CHECKING:  # importlib.abc costs ~15 ms (importlib.resources); the import system needs no base class
     import importlib.abc
     import importlib.machinery

@@ -206,8 +206,7 @@ class SourceGate:
                 return Verdict(STRUCTURE, f"the code of {like} up to formatting, comments and annotations")
         except UNREADABLE as exc:
             return Verdict(DECLINED, f"the sources of {self.target} cannot be read ({type(exc).__name__})")
-        return Verdict(DECLINED, f"the code it replaces differs from every release it was verified on "
-                                 f"({self.releases()})")  # fmt: skip
+        return Verdict(DECLINED, "the code it replaces differs from every release it was verified on")
 
     def recognise(self, module: ModuleType) -> str | None:
         """The verified release ``module`` is, or None (kept for callers of the byte-for-byte gate)."""
@@ -239,4 +238,6 @@ class SourceGate:
 
     def describe(self, module: ModuleType) -> str:
         """What the unpatched module is to the patch, for ``nemo-safe doctor``."""
-        return f"{self.verdict(module)}: {self.unpatched}"
+        found = self.verdict(module)
+        where = f" (verified on {self.releases()})" if found.status == DECLINED else ""
+        return f"{found}{where}: {self.unpatched}"

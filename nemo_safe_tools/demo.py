@@ -11,6 +11,7 @@ torchrun-style variables.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from nemo_safe import cluster_identity
@@ -93,10 +95,20 @@ def resume_cfg(log_dir: Path) -> dict[str, Any]:
     }
 
 
+def nemo_lightning() -> ModuleType:
+    """The Lightning NeMo's ``exp_manager`` is written against: ``pytorch_lightning`` up to nemo_toolkit 2.2,
+    ``lightning.pytorch`` from 2.3 on (the trainer a user builds for that NeMo)."""
+    import nemo.utils.exp_manager as em
+
+    found = vars(em).get("pytorch_lightning")
+    return found if isinstance(found, ModuleType) else importlib.import_module("lightning.pytorch")
+
+
 def run_member(log_dir: Path, side: Path, devices: int, nodes: int, rank0_delay: float) -> dict[str, Any]:
     """One rank: exp_manager on ``log_dir`` (resume), timed; non-zero ranks then watch ``log_dir``."""
-    import lightning.pytorch as pl
     from nemo.utils.exp_manager import exp_manager
+
+    pl = nemo_lightning()
 
     from nemo_safe import cluster_identity
 

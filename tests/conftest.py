@@ -76,3 +76,11 @@ def read_only() -> Iterator[Callable[[Path], Path]]:
     yield make
     for path in reversed(mounted):
         subprocess.run(["umount", str(path)], check=True)
+
+
+def torchvision_release() -> tuple[int, int]:
+    """The installed torchvision's (major, minor): the release sweep runs the same tests on several."""
+    import importlib.metadata
+
+    major, minor = importlib.metadata.version("torchvision").split("+")[0].split(".")[:2]
+    return int(major), int(minor)

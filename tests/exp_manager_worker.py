@@ -68,9 +68,12 @@ def old_files_dir(base: Path, case: str, variant: str) -> Path:
 
 
 def run_case(case: str, variant: str, args: argparse.Namespace, ident: Any) -> dict[str, Any]:
-    import lightning.pytorch as pl
-    from lightning.pytorch.loggers import TensorBoardLogger
     from nemo.utils.exp_manager import exp_manager
+
+    from nemo_safe_tools.demo import nemo_lightning
+
+    pl = nemo_lightning()
+    TensorBoardLogger = pl.loggers.TensorBoardLogger
 
     spec = CASES[case]
     base, side = Path(args.base), Path(args.side)

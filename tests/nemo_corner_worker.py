@@ -28,10 +28,11 @@ def main() -> int:
     logging.basicConfig(format="%(asctime)s %(process)d %(name)s %(message)s")
     logging.getLogger("nemo_safe").setLevel(logging.DEBUG)
 
-    import lightning.pytorch as pl
     from nemo.utils.exp_manager import exp_manager
 
     from nemo_safe_tools import demo
+
+    pl = demo.nemo_lightning()
 
     ident = nemo_safe.detect_identity()
     exp_dir = args.exp_dir_odd if (args.exp_dir_odd and ident.rank % 2) else args.exp_dir

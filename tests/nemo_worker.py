@@ -51,9 +51,12 @@ def main() -> int:
         demo.write_result(side, result)
         return 0 if result["status"] == "ok" else 3
 
-    import lightning.pytorch as pl
     import torch
     from nemo.utils.exp_manager import exp_manager
+
+    from nemo_safe_tools import demo
+
+    pl = demo.nemo_lightning()
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:

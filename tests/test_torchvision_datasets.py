@@ -183,7 +183,8 @@ import torchvision
 verdicts = T.verdicts(D)
 release, classes = T.recognised(D)
 # Every class the release defines is patched (verified or by structure), except where the sweep found otherwise.
-expected_declined = {"PhotoTour"} if torchvision.__version__.split("+")[0] < "0.21" else set()
+installed = tuple(int(p) for p in torchvision.__version__.split("+")[0].split(".")[:2])
+expected_declined = {"PhotoTour"} if installed < (0, 21) else set()
 declined = {name for name, verdict in verdicts.items() if not verdict.patches}
 assert declined == expected_declined, {name: str(verdicts[name]) for name in declined}
 assert sorted(classes) == sorted(set(verdicts) - declined), (release, sorted(classes))
@@ -297,3 +298,74 @@ def test_another_users_lock_folder_in_the_root(tmp_path: Path, disable: bool, mo
         seconds = time.monotonic() - started
     _assert_loaded(results, 1, spec)
     assert seconds < 120, f"{seconds:.0f} s: a rank waited on a lock folder it cannot use"
+
+
+GATE_CLASSES = """
+class Dataset:
+    def __init__(self, root: str, download: bool = False) -> None:
+        self.root = root
+        if download:
+            self.download()
+        if not self._check_integrity():
+            raise RuntimeError("Dataset not found or corrupted. You can use download=True to download it")
+
+    def download(self) -> None:
+        print("Downloading")
+
+    def _check_integrity(self) -> bool:
+        return True
+
+
+class Reformatted(Dataset):
+    def __init__(self, root, download=False):  # no annotations, another message, a print
+        self.root = root
+        print("building")
+        if download: self.download()
+        if not self._check_integrity(): raise RuntimeError("not found")
+
+
+class ChecksFirst(Dataset):
+    def __init__(self, root: str, download: bool = False) -> None:
+        self.root = root
+        if not self._check_integrity():
+            raise RuntimeError("Dataset not found")
+        if download:
+            self.download()
+
+
+class OtherCheck(Dataset):
+    def __init__(self, root: str, download: bool = False) -> None:
+        self.root = root
+        if download:
+            self.download()
+        if not self._check_exists():
+            raise RuntimeError("Dataset not found")
+
+    def _check_exists(self) -> bool:
+        return True
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "verdict"),
+    [
+        ("Dataset", "recognised by structure"),
+        ("Reformatted", "recognised by structure"),
+        ("ChecksFirst", "declined: its __init__ does not call self.download() and then self._check_integrity()"),
+        ("OtherCheck", "declined: its __init__ does not call self.download() and then self._check_integrity()"),
+    ],
+)
+def test_class_gate_by_structure(tmp_path: Path, name: str, verdict: str) -> None:
+    """A class of another release is patched where its ``__init__`` downloads with the method the wrapper wraps
+    and then checks with the check the waiters use; else it keeps upstream's code (the wrapper is never made)."""
+    import importlib.util
+
+    from nemo_safe.patches import torchvision_datasets as T
+
+    path = tmp_path / "gate_classes.py"
+    path.write_text(GATE_CLASSES)
+    spec = importlib.util.spec_from_file_location("gate_classes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = T.class_verdict(getattr(module, name), "download", "_check_integrity", "CIFAR10")
+    assert str(found).startswith(verdict), found

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI
+from conftest import IN_CI, torchvision_release
 
 from nemo_safe_tools import download_race
 from nemo_safe_tools.download_race import MNIST_FILES, read_results, reference_digests
@@ -416,17 +416,24 @@ import nemo_safe
 patched = state()
 nemo_safe.unpatch()
 after = state()
-print(sum(a is not b and a != b for a, b in zip(before, patched)), len(before), after == before)
+from nemo_safe.patches.torchvision_downloads import GATE
+changed = sum(a is not b and a != b for a, b in zip(before, patched))
+print(changed, len(before), after == before, GATE.verdict(u).patches)
 """
 
 
 def test_unpatch_restores_every_torchvision_function() -> None:
     """torchvision imported first, then nemo_safe: every replaced name changes, and unpatch() puts
-    back the very same objects (utils, the extractor table, a dataset module's own binding, MNIST)."""
+    back the very same objects (utils, the extractor table, a dataset module's own binding, MNIST). Where the
+    atomic downloads' gate declines the release (torchvision 0.15-0.19), only MNIST's 6 methods change."""
     out = subprocess.run(
         [sys.executable, "-c", UNPATCH_PROGRAM], env=clean_env(), capture_output=True, text=True, timeout=120
     )
-    assert out.stdout.split() == ["11", "11", "True"], out.stdout + out.stderr[-2000:]
+    changed, total, restored, downloads_patched = out.stdout.split()
+    assert (total, restored) == ("11", "True"), out.stdout + out.stderr[-2000:]
+    assert changed == ("11" if downloads_patched == "True" else "6"), out.stdout + out.stderr[-2000:]
+    if torchvision_release() >= (0, 20):
+        assert downloads_patched == "True", out.stdout
 
 
 REPAIR_OVER_OWN_WRAPPERS = """
@@ -465,3 +472,49 @@ def test_repair_over_its_own_wrappers_fails_as_upstream_instead_of_hanging(tmp_p
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["type"] == "RuntimeError", (res, out.stderr[-3000:])
     assert res["seconds"] < 6, "it failed at its timeout, not at once: it waited for itself"
+
+
+GATE_PROGRAM = r"""
+import inspect, sys, textwrap, types
+import torchvision.datasets.utils as utils
+from nemo_safe.patches import torchvision_downloads as patch
+function, old, new, path = sys.argv[1:5]
+source = textwrap.dedent(inspect.getsource(getattr(utils, function)))
+assert old in source, old
+with open(path, "w") as f:
+    f.write("from __future__ import annotations\n" + source.replace(old, new))
+edited = types.ModuleType("edited_utils")
+edited.__dict__.update(vars(utils))
+exec(compile(open(path).read(), path, "exec"), edited.__dict__)
+verdict = patch.GATE.verdict(edited)
+before = dict(vars(edited))
+applied = patch.apply_utils(edited) if not verdict.patches else "not asked"
+print(verdict)
+print(applied, all(vars(edited)[name] is value for name, value in before.items()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "old", "new", "verdict"),
+    [
+        # Annotations and formatting of a function the overlay replaces: still the verified release's shape.
+        ("_urlretrieve", "chunk_size: int = 1024 * 32", "chunk_size = 1024 * 32", "recognised by structure"),
+        # A function the overlay only wraps may print or differ otherwise (torchvision 0.18-0.20's download_url).
+        ("download_url", "    fpath = ", "    print('Downloading', url)\n    fpath = ", "recognised by structure"),
+        # download_url no longer calls the module global _urlretrieve: the overlay's publication would be skipped.
+        ("download_url", "_urlretrieve(url, fpath)", "urlretrieve(url, fpath)", "declined: download_url"),
+        # A replaced body that behaves otherwise (another progress unit, as in 0.18-0.19): declined, not run as 0.29's.
+        ("_urlretrieve", 'unit="B", ', "", "declined: the code it replaces differs"),
+    ],
+)
+def test_download_gate_by_structure(tmp_path: Path, function: str, old: str, new: str, verdict: str) -> None:
+    """The gate on torchvision.datasets.utils edited in one place (upstream's module, nemo_safe disabled in that
+    process); a declined module is left exactly as it is."""
+    env = {**clean_env(), "NEMO_SAFE_DISABLE": "1"}
+    args = [sys.executable, "-c", GATE_PROGRAM, function, old, new, str(tmp_path / "edited.py")]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found, applied = out.stdout.strip().splitlines()[-2:]
+    assert found.startswith(verdict), found
+    if not found.startswith("recognised"):
+        assert applied == "None True", applied

@@ -1,4 +1,4 @@
-"""NeMo ``exp_manager`` start-up without the race, for nemo_toolkit 2.7.3 and 3.0.0.
+"""NeMo ``exp_manager`` start-up without the race, for nemo_toolkit 1.21.0-3.0.0 (see :data:`FACTS`).
 
 ``exp_manager()`` looks up ``get_log_dir``, ``check_resume`` and ``time`` as
 module globals at call time, so replacing them in ``nemo.utils.exp_manager``
@@ -47,6 +47,7 @@ MODULE = "nemo.utils.exp_manager"
 KNOWN_SOURCES = {
     "d7f0fe25e8b6a2d7c9672b6a8efdc2513842d88313200a86d16c84d458649457": "nemo_toolkit 2.7.3 / 3.0.0",
     "9a7a705b7cd588fa88fc1f5ea1003947b66a65dbb216b3f719366513fe00b8d8": "nemo_toolkit 2.0.0",
+    "f7c7d50054aca96fa7babcc82aaad05bcd01113a727116903807c0766cbba982": "nemo_toolkit 2.3.3",
     "365e87e603aa21c54a9077160fd2da2409390f53f63c5c3b1c3e0516c0aa163e": "nemo_toolkit 1.23.0",
 }
 #: The call that gives non-zero ranks their fixed wait, which the patch cuts.

@@ -232,11 +232,10 @@ def apply(module: ModuleType) -> Replacements | None:
     if declined and "declined" not in _warned:
         _warned.add("declined")
         log.warning(
-            "nemo_safe: torchvision.datasets: %s are left untouched: %s (verified on %s); their downloads stay as "
-            "upstream has them (every process downloads).",
-            ", ".join(declined),
-            found[declined[0]].detail,
+            "nemo_safe: torchvision.datasets: left untouched, declined (verified on %s): %s; their downloads stay "
+            "as upstream has them (every process downloads).",
             ", ".join(KNOWN_SOURCES),
+            "; ".join(f"{name}: {found[name].detail}" for name in declined),
         )
     if not classes:
         return None
