@@ -6,12 +6,13 @@ Three sub-commands (only ``train`` imports NeMo):
     fills ``D`` with an earlier run's files: ``N`` plain files plus
     ``nemo_log_globalrank-R_localrank-R.txt`` (content ``OLD RUN``) for each listed rank.
 
-``train --log-dir D --tag T --side S [--late-rank R --late-seconds X] [--explicit]``
+``train --log-dir D --tag T --side S [--late-rank R --late-seconds X] [--explicit] [--no-resume]``
     one rank, started by ``torchrun --nproc-per-node W``. ``import nemo_safe`` comes first
     (``NEMO_SAFE_DISABLE=1`` gives upstream). A ``nemo.lightning.Trainer`` (CPU, DDP over gloo,
     ``devices=W``, 2 steps of a tiny module), ``NeMoLogger(log_dir=parent(D), name=basename(D))``
     (``explicit_log_dir=D`` with ``--explicit``) carrying NeMo's own ``ModelCheckpoint``, and
-    ``AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)``, set up as
+    ``AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)`` (``False`` with
+    ``--no-resume``: rank 0 then logs into a dated version below ``D``), set up as
     ``nemo.collections.llm.api._setup`` does: ``log.setup(trainer, resume_if_exists=True)`` then
     ``resume.setup(trainer, model)``, then ``trainer.fit``. Rank ``R`` sleeps ``X`` s before
     ``log.setup`` (the others do not), which orders the ranks' start-up deterministically.
@@ -145,7 +146,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, result: dict) -> Non
         log = nl.NeMoLogger(explicit_log_dir=str(d), ckpt=ckpt)
     else:
         log = nl.NeMoLogger(log_dir=str(d.parent), name=d.name, ckpt=ckpt)
-    resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
+    resume = nl.AutoResume(resume_if_exists=not args.no_resume, resume_ignore_no_checkpoint=True)
     model = Tiny()
 
     if rank == args.late_rank:
@@ -182,6 +183,7 @@ def main() -> None:
     pt.add_argument("--late-rank", type=int, default=-1)
     pt.add_argument("--late-seconds", type=float, default=0.0)
     pt.add_argument("--explicit", action="store_true", help="NeMoLogger(explicit_log_dir=...)")
+    pt.add_argument("--no-resume", action="store_true", help="AutoResume(resume_if_exists=False)")
     pi = sub.add_parser("inspect")
     pi.add_argument("--log-dir", required=True)
     pi.add_argument("--tag", required=True)

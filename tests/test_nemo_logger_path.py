@@ -5,7 +5,7 @@ CPU, DDP over gloo, NeMoLogger with NeMo's ModelCheckpoint, AutoResume(resume_if
 ``NEMO_SAFE_DISABLE=1``, on a log_dir that holds an earlier run: 50 files, ``cmd-args.log`` and
 rank 1's ``nemo_log_globalrank-1_localrank-1.txt``. Rank 0 enters ``NeMoLogger.setup`` 3 s late.
 
-What upstream does (nemo_safe does not patch this path; the nemo_safe twin looked the same):
+What upstream does (``NEMO_SAFE_DISABLE=1``; before nemo_safe patched this path, its twin looked the same):
 
 * rank 1 appends its current-run log to the earlier run's file (``logging.FileHandler``, mode
   ``a``), which rank 0 lists in its own ``setup`` and moves into ``run_0`` in
@@ -15,6 +15,11 @@ What upstream does (nemo_safe does not patch this path; the nemo_safe twin looke
   fresh file of the current run is moved into ``run_0`` too (the race: no barrier orders the
   ranks' ``setup`` calls; here the 3 s make it deterministic);
 * both ranks keep writing into the moved files; ``log_dir`` is left with no log of rank 1 or 2.
+
+With nemo_safe (``nemo_safe/patches/nemo_logger_order.py``) the same job archives no current-run
+file: rank 0 moves the earlier run's files into ``run_0`` in its ``setup``, right after listing
+``log_dir``, and the other ranks run their ``setup`` after it; also a 2-rank job, a job without
+``resume_if_exists`` (left to upstream, no wait), and the patch's gate.
 
 Skipped where ``nemo.lightning.NeMoLogger`` does not exist (NeMo 3.0 removed it). Run it with
 the NeMo 2.x venv: ``.venv-nemo273/bin/python -m pytest tests/test_nemo_logger_path.py``.
@@ -65,7 +70,14 @@ def log_name(rank: int) -> str:
 
 
 def run_job(
-    tmp_path: Path, world: int, old_log_ranks: str, late_rank: int, *, disabled: bool, tag: str = "t1"
+    tmp_path: Path,
+    world: int,
+    old_log_ranks: str,
+    late_rank: int,
+    *,
+    disabled: bool,
+    tag: str = "t1",
+    no_resume: bool = False,
 ) -> tuple[Path, dict[int, dict], dict]:
     """One torchrun job of the worker on a log_dir holding an earlier run: each rank's result, and
     what ``inspect`` found in log_dir afterwards."""
@@ -75,7 +87,7 @@ def run_job(
     port = free_port()
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(world), "--master-port", str(port)]
     cmd += [WORKER, "train", "--log-dir", str(log_dir), "--tag", tag, "--side", str(side)]
-    cmd += ["--late-rank", str(late_rank), "--late-seconds", str(LATE)]
+    cmd += ["--late-rank", str(late_rank), "--late-seconds", str(LATE)] + (["--no-resume"] if no_resume else [])
     extra = {"NEMO_SAFE_DISABLE": "1"} if disabled else {}
     env = clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra)
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
@@ -89,7 +101,8 @@ def run_job(
         else:
             assert "nemo-logger-resume-order" in res["nemo_safe_active"], r
         assert res["callbacks"] == ["nemo.lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint"]
-        assert res["log_dir"] == str(log_dir)
+        if not no_resume:
+            assert res["log_dir"] == str(log_dir)
     found = json.loads(
         subprocess.run(
             [sys.executable, WORKER, "inspect", "--log-dir", str(log_dir), "--tag", tag],
@@ -173,6 +186,19 @@ def test_nemo_logger_two_ranks_old_logs_of_both_with_nemo_safe(tmp_path: Path) -
     assert_current_logs_kept(log_dir, ranks, found, [0, 1])
 
 
+def test_nemo_logger_without_resume_is_left_to_upstream(tmp_path: Path) -> None:
+    """``resume_if_exists=False``: rank 0 alone logs into a fresh dated version, which it lists empty;
+    nothing needs ordering, so nemo_safe leaves upstream's setup as it is: rank 1 does not wait for the
+    late rank 0, and appends to its old log in log_dir (which nobody moves), exactly as upstream."""
+    log_dir, ranks, found = run_job(tmp_path, 2, "1", 0, disabled=False, no_resume=True)
+    assert Path(ranks[0]["log_dir"]).parent == log_dir and ranks[1]["log_dir"] == str(log_dir)
+    assert ranks[0]["files_to_move"] == [] and ranks[1]["files_to_move"] == sorted([*OLD, log_name(1)])
+    assert ranks[1]["setup_done"] < ranks[0]["setup_done"] - LATE / 2  # no wait for rank 0
+    assert found["runs"] == {} and found["archived_current"] == []
+    assert found["current_lines_in"] == {"1": [log_name(1)]}  # rank 0's log is in its dated version
+    assert (log_dir / log_name(1)).read_text().startswith("OLD RUN rank 1\n")
+
+
 # -- the gate, in process (imports NeMo: ~10 s) -------------------------------------------------
 
 
@@ -224,3 +250,23 @@ def test_gate_declines_setup_that_opens_its_log_before_listing(tmp_path: Path) -
     setup = vars(module.NeMoLogger)["setup"]
     assert nemo_logger_order.apply(module) is None
     assert vars(module.NeMoLogger)["setup"] is setup
+
+
+def test_which_setups_share_log_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks share log_dir (and rank 0's listing is theirs) unless rank 0 alone dates a version."""
+    from types import SimpleNamespace
+
+    from nemo_safe.patches.nemo_logger_order import VERSION_ENV, _shares_log_dir
+
+    monkeypatch.delenv(VERSION_ENV, raising=False)
+
+    def logger(**kw: object) -> SimpleNamespace:
+        return SimpleNamespace(**{"explicit_log_dir": None, "version": None, "use_datetime_version": True, **kw})
+
+    assert _shares_log_dir(logger(), resume_if_exists=True)
+    assert not _shares_log_dir(logger(), resume_if_exists=False)  # rank 0: name/<date>, the others: name/
+    assert _shares_log_dir(logger(use_datetime_version=False), resume_if_exists=False)
+    assert _shares_log_dir(logger(version="v1"), resume_if_exists=False)
+    assert _shares_log_dir(logger(explicit_log_dir="/x"), resume_if_exists=False)
+    monkeypatch.setenv(VERSION_ENV, "v2")
+    assert _shares_log_dir(logger(), resume_if_exists=False)
