@@ -6,13 +6,15 @@ Three sub-commands (only ``train`` imports NeMo):
     fills ``D`` with an earlier run's files: ``N`` plain files plus
     ``nemo_log_globalrank-R_localrank-R.txt`` (content ``OLD RUN``) for each listed rank.
 
-``train --log-dir D --tag T --side S [--late-rank R --late-seconds X] [--explicit] [--no-resume]``
+``train --log-dir D --tag T --side S [--late-rank R --late-seconds X] [--explicit] [--no-resume]
+[--bad-log-dir-rank B]``
     one rank, started by ``torchrun --nproc-per-node W``. ``import nemo_safe`` comes first
     (``NEMO_SAFE_DISABLE=1`` gives upstream). A ``nemo.lightning.Trainer`` (CPU, DDP over gloo,
     ``devices=W``, 2 steps of a tiny module), ``NeMoLogger(log_dir=parent(D), name=basename(D))``
     (``explicit_log_dir=D`` with ``--explicit``) carrying NeMo's own ``ModelCheckpoint``, and
     ``AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)`` (``False`` with
-    ``--no-resume``: rank 0 then logs into a dated version below ``D``), set up as
+    ``--no-resume``: rank 0 then logs into a dated version below ``D``; rank ``B`` gets an
+    ``explicit_log_dir`` below a regular file, so its ``setup`` fails in NeMo's ``os.makedirs``), set up as
     ``nemo.collections.llm.api._setup`` does: ``log.setup(trainer, resume_if_exists=True)`` then
     ``resume.setup(trainer, model)``, then ``trainer.fit``. Rank ``R`` sleeps ``X`` s before
     ``log.setup`` (the others do not), which orders the ranks' start-up deterministically.
@@ -142,7 +144,10 @@ def _train(args: argparse.Namespace, rank: int, world: int, result: dict) -> Non
         monitor=None, save_last=False, save_top_k=0, always_save_context=False, save_context_on_train_end=False
     )
     d = Path(args.log_dir)
-    if args.explicit:
+    if rank == args.bad_log_dir_rank:  # a log dir below a regular file: NeMo's os.makedirs fails there
+        (d.parent / "blocker").write_text("a file, not a directory\n")
+        log = nl.NeMoLogger(explicit_log_dir=str(d.parent / "blocker" / "sub"), ckpt=ckpt)
+    elif args.explicit:
         log = nl.NeMoLogger(explicit_log_dir=str(d), ckpt=ckpt)
     else:
         log = nl.NeMoLogger(log_dir=str(d.parent), name=d.name, ckpt=ckpt)
@@ -184,6 +189,7 @@ def main() -> None:
     pt.add_argument("--late-seconds", type=float, default=0.0)
     pt.add_argument("--explicit", action="store_true", help="NeMoLogger(explicit_log_dir=...)")
     pt.add_argument("--no-resume", action="store_true", help="AutoResume(resume_if_exists=False)")
+    pt.add_argument("--bad-log-dir-rank", type=int, default=-1, help="this rank's log dir cannot be created")
     pi = sub.add_parser("inspect")
     pi.add_argument("--log-dir", required=True)
     pi.add_argument("--tag", required=True)

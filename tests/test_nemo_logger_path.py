@@ -252,6 +252,24 @@ def test_gate_declines_setup_that_opens_its_log_before_listing(tmp_path: Path) -
     assert vars(module.NeMoLogger)["setup"] is setup
 
 
+def test_rank_zero_setup_failure_reaches_the_other_ranks(tmp_path: Path) -> None:
+    """Rank 0's setup raises (its log dir cannot be created): the others, which waited for it, run their
+    own setup and then raise RankZeroFailed with rank 0's error, instead of training without rank 0."""
+    log_dir, side = tmp_path / "exp" / "default", tmp_path / "side"
+    prepare = [sys.executable, WORKER, "prepare", "--log-dir", str(log_dir), "--old-files", "5"]
+    subprocess.run([*prepare, "--old-log-ranks", "1"], check=True, timeout=60)
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "3", "--master-port", str(free_port())]
+    cmd += [WORKER, "train", "--log-dir", str(log_dir), "--tag", "t1", "--side", str(side), "--bad-log-dir-rank", "0"]
+    env = clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode != 0
+    ranks = {r: json.loads((side / f"rank{r}.json").read_text()) for r in range(3)}
+    assert "NotADirectoryError" in ranks[0]["exception"] or "FileExistsError" in ranks[0]["exception"]
+    for r in (1, 2):
+        assert "nemo_safe.errors.RankZeroFailed" in ranks[r]["exception"], ranks[r]["exception"]
+    assert not (log_dir / "run_0").exists()  # rank 0 failed before listing: nothing moved
+
+
 def test_which_setups_share_log_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ranks share log_dir (and rank 0's listing is theirs) unless rank 0 alone dates a version."""
     from types import SimpleNamespace
