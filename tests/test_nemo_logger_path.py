@@ -78,6 +78,7 @@ def run_job(
     disabled: bool,
     tag: str = "t1",
     no_resume: bool = False,
+    no_agent_store: bool = False,
 ) -> tuple[Path, dict[int, dict], dict]:
     """One torchrun job of the worker on a log_dir holding an earlier run: each rank's result, and
     what ``inspect`` found in log_dir afterwards."""
@@ -88,6 +89,7 @@ def run_job(
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", str(world), "--master-port", str(port)]
     cmd += [WORKER, "train", "--log-dir", str(log_dir), "--tag", tag, "--side", str(side)]
     cmd += ["--late-rank", str(late_rank), "--late-seconds", str(LATE)] + (["--no-resume"] if no_resume else [])
+    cmd += ["--no-agent-store"] if no_agent_store else []
     extra = {"NEMO_SAFE_DISABLE": "1"} if disabled else {}
     env = clean_env(PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra)
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
@@ -184,6 +186,15 @@ def test_nemo_logger_two_ranks_old_logs_of_both_with_nemo_safe(tmp_path: Path) -
     other rank vouches for rank 0, so rank 1 relies on the grace (longer than the 3 s)."""
     log_dir, ranks, found = run_job(tmp_path, 2, "0,1", 0, disabled=False)
     assert_current_logs_kept(log_dir, ranks, found, [0, 1])
+
+
+def test_nemo_logger_ranks_meeting_in_log_dir_with_nemo_safe(tmp_path: Path) -> None:
+    """The 3-rank job with the ranks meeting in log_dir's hidden .nemo_safe/ (as under srun, where no
+    agent store exists): the same outcome, and the barrier's folder is no file rank 0 lists or moves."""
+    log_dir, ranks, found = run_job(tmp_path, 3, "1", 0, disabled=False, no_agent_store=True)
+    assert_current_logs_kept(log_dir, ranks, found, [1])
+    assert (log_dir / ".nemo_safe").is_dir() and not (log_dir / "run_0" / ".nemo_safe").exists()
+    assert all(ranks[r]["setup_done"] >= ranks[0]["setup_done"] for r in (1, 2))
 
 
 def test_nemo_logger_without_resume_is_left_to_upstream(tmp_path: Path) -> None:
