@@ -6,12 +6,17 @@ Three sub-commands (only ``train`` imports NeMo):
     fills ``D`` with an earlier run's files: ``N`` plain files plus
     ``nemo_log_globalrank-R_localrank-R.txt`` (content ``OLD RUN``) for each listed rank.
 
-``train --log-dir D --tag T --side S [--late-rank R --late-seconds X] [--explicit]``
+``train --log-dir D --tag T --side S [--late-rank R --late-seconds X] [--explicit] [--no-resume]
+[--bad-log-dir-rank B] [--no-agent-store]``
     one rank, started by ``torchrun --nproc-per-node W``. ``import nemo_safe`` comes first
     (``NEMO_SAFE_DISABLE=1`` gives upstream). A ``nemo.lightning.Trainer`` (CPU, DDP over gloo,
     ``devices=W``, 2 steps of a tiny module), ``NeMoLogger(log_dir=parent(D), name=basename(D))``
     (``explicit_log_dir=D`` with ``--explicit``) carrying NeMo's own ``ModelCheckpoint``, and
-    ``AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)``, set up as
+    ``AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)`` (``False`` with
+    ``--no-resume``: rank 0 then logs into a dated version below ``D``; rank ``B`` gets an
+    ``explicit_log_dir`` below a regular file, so its ``setup`` fails in NeMo's ``os.makedirs``;
+    ``--no-agent-store`` hides ``TORCHELASTIC_USE_AGENT_STORE`` during ``log.setup``, so ranks meet in
+    ``log_dir``'s hidden ``.nemo_safe/``, as under srun), set up as
     ``nemo.collections.llm.api._setup`` does: ``log.setup(trainer, resume_if_exists=True)`` then
     ``resume.setup(trainer, model)``, then ``trainer.fit``. Rank ``R`` sleeps ``X`` s before
     ``log.setup`` (the others do not), which orders the ranks' start-up deterministically.
@@ -141,17 +146,25 @@ def _train(args: argparse.Namespace, rank: int, world: int, result: dict) -> Non
         monitor=None, save_last=False, save_top_k=0, always_save_context=False, save_context_on_train_end=False
     )
     d = Path(args.log_dir)
-    if args.explicit:
+    if rank == args.bad_log_dir_rank:  # a log dir below a regular file: NeMo's os.makedirs fails there
+        (d.parent / "blocker").write_text("a file, not a directory\n")
+        log = nl.NeMoLogger(explicit_log_dir=str(d.parent / "blocker" / "sub"), ckpt=ckpt)
+    elif args.explicit:
         log = nl.NeMoLogger(explicit_log_dir=str(d), ckpt=ckpt)
     else:
         log = nl.NeMoLogger(log_dir=str(d.parent), name=d.name, ckpt=ckpt)
-    resume = nl.AutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
+    resume = nl.AutoResume(resume_if_exists=not args.no_resume, resume_ignore_no_checkpoint=True)
     model = Tiny()
 
     if rank == args.late_rank:
         time.sleep(args.late_seconds)
     # As nemo.collections.llm.api._setup: NeMoLogger.setup, then AutoResume.setup.
-    app_state = log.setup(trainer, resume_if_exists=resume.resume_if_exists)
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) if args.no_agent_store else None
+    try:
+        app_state = log.setup(trainer, resume_if_exists=resume.resume_if_exists)
+    finally:
+        if agent_store is not None:  # init_process_group in fit() needs it back
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     result["setup_done"] = time.time()
     result["log_dir"] = str(app_state.log_dir)
     result["files_to_move"] = sorted(Path(p).name for p in app_state.files_to_move)
@@ -182,6 +195,9 @@ def main() -> None:
     pt.add_argument("--late-rank", type=int, default=-1)
     pt.add_argument("--late-seconds", type=float, default=0.0)
     pt.add_argument("--explicit", action="store_true", help="NeMoLogger(explicit_log_dir=...)")
+    pt.add_argument("--no-resume", action="store_true", help="AutoResume(resume_if_exists=False)")
+    pt.add_argument("--no-agent-store", action="store_true", help="hide torchrun's agent store during setup")
+    pt.add_argument("--bad-log-dir-rank", type=int, default=-1, help="this rank's log dir cannot be created")
     pi = sub.add_parser("inspect")
     pi.add_argument("--log-dir", required=True)
     pi.add_argument("--tag", required=True)

@@ -31,6 +31,7 @@ NEMO_SAFE = str(Path(sys.executable).with_name("nemo-safe"))
 HANG_GUARD = 300
 
 EXP_MANAGER = "nemo-exp-manager-resume"
+NEMO_LOGGER = "nemo-logger-resume-order"
 DOWNLOADS = "torchvision-atomic-downloads"
 BINDINGS = "torchvision-download-url-bindings"
 MNIST = "torchvision-mnist-single-flight"
@@ -39,6 +40,7 @@ HUB = "torch-hub-single-flight"
 #: Patch -> (the module it patches, the distribution whose release it must recognise).
 PATCHES = {
     EXP_MANAGER: ("nemo.utils.exp_manager", "nemo_toolkit"),
+    NEMO_LOGGER: ("nemo.lightning.nemo_logger", "nemo_toolkit"),  # NeMo 2.x only: not applicable on 3.0
     DOWNLOADS: ("torchvision.datasets.utils", "torchvision"),
     BINDINGS: ("torchvision.datasets", "torchvision"),
     MNIST: ("torchvision.datasets.mnist", "torchvision"),
@@ -134,6 +136,11 @@ def facts():
     em = sys.modules.get("nemo.utils.exp_manager")
     if em is not None:
         patches["nemo-exp-manager-resume"] = state([em.get_log_dir, em.check_resume, em.exp_manager, em.time])
+    nl = sys.modules.get("nemo.lightning.nemo_logger")
+    if nl is not None:
+        patches["nemo-logger-resume-order"] = state(
+            [vars(nl.NeMoLogger)["setup"], vars(nl.NeMoLogger)["_setup_files_to_move"]]
+        )
     utils = sys.modules.get("torchvision.datasets.utils")
     if utils is not None:
         patches["torchvision-atomic-downloads"] = state(

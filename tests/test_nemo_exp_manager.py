@@ -239,7 +239,7 @@ original = module.check_resume
 import nemo_safe
 from nemo_safe import patching
 patch = next(p for p in patching.registered() if p.name == "nemo-exp-manager-resume")
-print(module.check_resume is original, [p for p in patching.active() if p.startswith("nemo")])
+print(module.check_resume is original, [p for p in patching.active() if p.startswith("nemo-exp-manager")])
 print(patching.status(patch)[1])
 """
 

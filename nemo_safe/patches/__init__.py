@@ -22,6 +22,7 @@ def _patch(module: str, name: str, implementation: str, apply: str, describe: st
 #: In the order they are applied; a module's patches follow the patches of the modules it imports.
 ALL: tuple[Patch, ...] = (
     _patch("nemo.utils.exp_manager", "nemo-exp-manager-resume", "nemo_exp_manager", "apply", "describe"),
+    _patch("nemo.lightning.nemo_logger", "nemo-logger-resume-order", "nemo_logger_order", "apply", "describe"),
     _patch("torchvision.datasets.utils", "torchvision-atomic-downloads", "torchvision_downloads", "apply_utils",
            "describe_utils"),
     _patch("torchvision.datasets", "torchvision-download-url-bindings", "torchvision_downloads", "apply_bindings",

@@ -87,13 +87,17 @@ class ResumeOrder:
     ordered: bool = False
     #: Seconds this rank already waited before carrying on as upstream does (counted against the sleep).
     waited: float = 0.0
+    #: What is being ordered, as messages name it (``nemo_logger_order`` reuses this class for NeMoLogger).
+    what: str = "exp_manager"
+    #: The barrier's name: the records of two ordered calls never mix.
+    barrier_name: str = BARRIER_NAME
 
     # -- get_log_dir: where ranks meet, and rank 0's log_dir for everyone -----------------
 
     def agree_log_dir(self, own: tuple[Any, ...], explicit_log_dir: Any) -> tuple[Any, ...]:
         """Rank 0 opens the barrier and keeps ``own``; the others wait and return rank 0's parts."""
         meet = meeting_dir(own, explicit_log_dir)
-        barrier = self._barrier(meet)
+        barrier = self.meeting_barrier(meet)
         if self.ident.rank == 0:
             barrier.open()
             self.barrier = barrier
@@ -111,15 +115,16 @@ class ResumeOrder:
             outcome = barrier.wait(grace=self.grace, stall_limit=PROGRESS_LIMIT)
         except RankZeroStalled as exc:
             self.waited = time.monotonic() - started
-            warn_once("stalled", "exp_manager: %s Carrying on as upstream NeMo does (log_dir %s, no ordering with "
-                      "rank 0's move); check rank 0's filesystem.", exc, own[0])  # fmt: skip
+            warn_once(self._topic("stalled"), "%s: %s Carrying on as upstream NeMo does (log_dir %s, no ordering "
+                      "with rank 0's move); check rank 0's filesystem.", self.what, exc, own[0])  # fmt: skip
             return own
         except RankZeroAbsent as exc:
             self.waited = time.monotonic() - started
             warn_once(
-                "absent",
-                "exp_manager: %s Carrying on as upstream NeMo does (log_dir %s, no ordering with rank 0's move). "
+                self._topic("absent"),
+                "%s: %s Carrying on as upstream NeMo does (log_dir %s, no ordering with rank 0's move). "
                 "Expected when log_dir is on a node-local disk; otherwise give every rank the same exp_dir.",
+                self.what,
                 exc,
                 own[0],
             )
@@ -131,9 +136,10 @@ class ResumeOrder:
         theirs = outcome.payload
         if theirs.get("meeting_dir") != meet:
             warn_once(
-                "elsewhere",
-                "exp_manager: rank %d computed its log_dir under %s but rank 0 under %s (another exp_dir, name or "
+                self._topic("elsewhere"),
+                "%s: rank %d computed its log_dir under %s but rank 0 under %s (another exp_dir, name or "
                 "working directory); each keeps its own, as upstream NeMo does.",
+                self.what,
                 self.ident.rank,
                 meet,
                 theirs.get("meeting_dir"),
@@ -141,7 +147,8 @@ class ResumeOrder:
             return own
         return Path(theirs["log_dir"]), theirs["exp_dir"], theirs["name"], theirs["version"]
 
-    def _barrier(self, meet: str) -> Barrier:
+    def meeting_barrier(self, meet: str) -> Barrier:
+        """This call's barrier: in the torchrun agent's store if it answers, else in ``meet``'s hidden directory."""
         channel: Channel | None = None
         if self.store is not None:
             try:
@@ -149,7 +156,8 @@ class ResumeOrder:
             except Exception as exc:  # any failure to reach the store means: meet in the directory
                 _store_reachable[self.store] = False
                 where = ":".join(map(str, self.store))
-                warn_once("store", "exp_manager: no torchrun agent store at %s (%s); meeting in %s", where, exc, meet)
+                warn_once(self._topic("store"), "%s: no torchrun agent store at %s (%s); meeting in %s", self.what,
+                          where, exc, meet)  # fmt: skip
                 self.store = None
         if channel is None:
             self._check_meeting_dir(meet)
@@ -157,7 +165,7 @@ class ResumeOrder:
         return Barrier(
             channel,
             self.ident.world_size,
-            BARRIER_NAME,
+            self.barrier_name,
             rank=self.ident.rank,
             attempt_key=self.ident.attempt_key,
             attempt_unique=self.ident.attempt_unique,
@@ -168,16 +176,20 @@ class ResumeOrder:
     def _check_meeting_dir(self, meet: str) -> None:
         if os.path.isdir(meet) and not os.access(meet, os.W_OK):
             raise ConfigurationError(
-                f"exp_manager: {meet} is not writable from rank {self.ident.rank}; rank 0 must move old "
+                f"{self.what}: {meet} is not writable from rank {self.ident.rank}; rank 0 must move old "
                 "files there and every rank writes logs there. Fix its permissions or choose another exp_dir."
             )
         try:
             os.makedirs(meet, exist_ok=True)  # exp_manager creates log_dir below it right after anyway
         except OSError as exc:
             raise ConfigurationError(
-                f"exp_manager: rank {self.ident.rank} cannot create {meet} ({exc}); every rank writes logs "
+                f"{self.what}: rank {self.ident.rank} cannot create {meet} ({exc}); every rank writes logs "
                 "there. Fix the path or its permissions, or choose another exp_dir."
             ) from exc
+
+    def _topic(self, topic: str) -> str:
+        """exp_manager's warning topics as before; another user's of its own (one warning each per process)."""
+        return topic if self.what == "exp_manager" else f"{self.what}:{topic}"
 
     def close(self, error: BaseException | None) -> None:
         """Rank 0 left ``exp_manager`` without reaching ``check_resume`` (an error on the way): publish
@@ -190,16 +202,21 @@ class ResumeOrder:
 
     def check_resume(self, check_resume: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Rank 0 runs ``check_resume`` and publishes how it ended; the others run its lookup."""
+        return self.run(check_resume, *args, **kwargs)
+
+    def run(self, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Rank 0 runs ``work`` and publishes how it ended; the others (after :meth:`agree_log_dir`
+        waited for that) run it too and raise rank 0's failure after NeMo's own error, if any."""
         barrier, self.barrier = self.barrier, None
         if barrier is not None:
             try:
-                result = check_resume(*args, **kwargs)
+                result = work(*args, **kwargs)
             except BaseException as exc:
                 barrier.release(exc, self.payload)
                 raise
             barrier.release(None, self.payload)
             return result
-        result = check_resume(*args, **kwargs)  # NeMo's own error first, where rank 0's was the same
+        result = work(*args, **kwargs)  # NeMo's own error first, where rank 0's was the same
         if self.rank0_failure is not None:
             raise self.rank0_failure
         return result
@@ -211,36 +228,49 @@ class ResumeOrder:
         return max(0.0, seconds - self.waited)
 
 
-def resume_order_for(trainer: Any, is_global_rank_zero: Callable[[], bool], grace: float) -> ResumeOrder | None:
-    """How to order this ``exp_manager`` call, or None to leave it to upstream: one process, no
-    launcher, or a configuration nemo_safe cannot order safely (one warning says which)."""
+def resume_order_for(
+    trainer: Any,
+    is_global_rank_zero: Callable[[], bool],
+    grace: float,
+    what: str = "exp_manager",
+    barrier_name: str = BARRIER_NAME,
+) -> ResumeOrder | None:
+    """How to order this ``exp_manager`` call (or another NeMo start-up step, named ``what``), or None
+    to leave it to upstream: one process, no launcher, or a configuration nemo_safe cannot order safely
+    (one warning says which)."""
+
+    def topic(name: str) -> str:
+        return name if what == "exp_manager" else f"{what}:{name}"
+
     try:
         ident = cluster_identity.detect()
     except ConfigurationError as exc:
-        warn_once("launcher", "exp_manager: launcher variables unusable (%s); running as upstream NeMo does", exc)
+        warn_once(topic("launcher"), "%s: launcher variables unusable (%s); running as upstream NeMo does", what, exc)
         return None
     if ident.launcher == "none" or not ident.is_multi_process or int(trainer.num_nodes) * int(trainer.num_devices) == 1:
         return None  # one process, or independent one-device tasks of one step (a sweep): nothing to order
     try:
         ident.validate_settings(trainer.num_devices, trainer.num_nodes)
     except ConfigurationError as exc:
-        warn_once("world", "exp_manager: %s. Until then nemo_safe cannot tell which ranks to wait for; running as "
-                  "upstream NeMo does.", exc)  # fmt: skip
+        warn_once(topic("world"), "%s: %s. Until then nemo_safe cannot tell which ranks to wait for; running as "
+                  "upstream NeMo does.", what, exc)  # fmt: skip
         return None
     if is_global_rank_zero() != (ident.rank == 0):
         warn_once(
-            "rank0",
-            "exp_manager: NeMo's is_global_rank_zero() and the %s launcher (rank %d) disagree on which process "
+            topic("rank0"),
+            "%s: NeMo's is_global_rank_zero() and the %s launcher (rank %d) disagree on which process "
             "is rank 0; running as upstream NeMo does (export RANK to make them agree).",
+            what,
             ident.launcher,
             ident.rank,
         )
         return None
     store = agent_store_address(os.environ) if ident.launcher == "torchrun" else None
     if store is not None and not _store_answers(store):
-        warn_once("store", "exp_manager: torchrun's agent store %s:%s does not answer; meeting in exp_dir", *store)
+        warn_once(topic("store"), "%s: torchrun's agent store %s:%s does not answer; meeting in exp_dir", what,
+                  *store)  # fmt: skip
         store = None
-    return ResumeOrder(ident, grace, store)
+    return ResumeOrder(ident, grace, store, what=what, barrier_name=barrier_name)
 
 
 _store_reachable: dict[tuple[str, int], bool] = {}
