@@ -23,9 +23,12 @@ SWEEP = HERE.parent / ".sweep"
 BEGIN, END = "<!-- support-table: begin (ci/release_sweep.sh writes it) -->", "<!-- support-table: end -->"
 DISTRIBUTIONS = ("nemo_toolkit", "torchvision", "torch", "lightning", "pytorch-lightning")
 MODULES = {"nemo": ("nemo.utils.exp_manager",), "torchvision": ("torchvision.datasets", "torch.hub")}
+#: Imported where they exist (NeMo 2.x's NeMoLogger: not in 1.x nor 3.0).
+OPTIONAL = {"nemo": ("nemo.lightning.nemo_logger",), "torchvision": ()}
 #: Patch -> its column in the table.
 COLUMNS = {
     "nemo-exp-manager-resume": "NeMo exp_manager",
+    "nemo-logger-resume-order": "NeMo 2.x NeMoLogger",
     "torchvision-atomic-downloads": "torchvision downloads",
     "torchvision-mnist-single-flight": "MNIST family",
     "torchvision-datasets-single-flight": "27 dataset classes",
@@ -56,6 +59,11 @@ def record(profile: str, parts: list[str], exit_code: int) -> None:
     for part in parts:
         for module in MODULES[part]:
             importlib.import_module(module)
+        for module in OPTIONAL[part]:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
     verdicts = {}
     for patch in patching.registered():
         if patch.name in COLUMNS and patch.module in sys.modules:
@@ -73,18 +81,29 @@ def record(profile: str, parts: list[str], exit_code: int) -> None:
     (SWEEP / f"{profile}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
-def _cell(verdict: dict[str, object] | None) -> str:
-    if verdict is None:
-        return ""
-    text = str(verdict["text"])
-    head = text.split(":")[0]
-    if head.startswith("verified"):
-        return "verified" + head[len("verified on") :].replace(" nemo_toolkit", "").replace(" torchvision", "")
-    if head.startswith("recognised by structure") or "recognised by structure" in head:
+def _short(verdict: str) -> str:
+    """``verified on torchvision 0.29.1`` -> ``verified (0.29.1)``; ``recognised by structure (...)`` -> ``by
+    structure``; ``declined: <fact>: does not hold ...`` -> ``declined: <fact>``."""
+    for library in ("nemo_toolkit ", "torchvision ", "torch "):
+        verdict = verdict.replace(library, "")
+    if verdict.startswith("verified on "):
+        return f"verified ({verdict[len('verified on ') :]})"
+    if verdict.startswith("recognised by structure"):
         return "by structure"
-    if "verified on" in head:  # the dataset classes' summary: "27 verified on torchvision 0.29.1"
-        return head
-    return "declined: " + text.split(":", 2)[1].strip() if text.startswith("declined") else head
+    if verdict.startswith("declined: "):
+        return "declined: " + verdict[len("declined: ") :].split(": does not hold")[0].split(" (")[0]
+    return verdict
+
+
+def _cell(verdict: dict[str, object]) -> str:
+    text = str(verdict["text"])
+    if text.startswith("one download per root for"):  # the dataset classes: a count per verdict
+        counts = text[text.index("(") + 1 : text.rindex(")")]
+        return counts.replace("recognised by structure", "by structure").replace(" on torchvision ", " ")
+    if verdict["in_place"]:
+        return _short(text.split(": ")[0] if not text.startswith("recognised") else text)
+    # Not in place: doctor's text is "<cause>; <verdict>: <what upstream does>" (the cause may be absent).
+    return _short(text.split("; ")[-1])
 
 
 def table() -> list[str]:

@@ -111,6 +111,9 @@ class Replacements:
         self.description = description
         self._slots: list[_Slot] = []
         self._undone = False
+        made = getattr(_making, "made", None)
+        if made is not None:  # inside _apply: undone there if the patch fails halfway
+            made.append(self)
 
     def set(self, obj: object, name: str, value: object, original: object = _CURRENT) -> None:
         """``obj.name = value``; undo restores ``original`` (default: the current value), which
@@ -161,6 +164,8 @@ class _Applied(NamedTuple):
 
 
 _lock = threading.RLock()
+#: ``.made``: the Replacements created by the patch being applied in this thread (see :func:`_apply`).
+_making = threading.local()
 _registry: list[Patch] = []
 _applied: dict[str, _Applied] = {}  # patch name -> what it replaced, in which module object
 _failed: dict[str, str] = {}  # patch name -> the error its apply raised
@@ -253,14 +258,19 @@ def _apply(patch: Patch, module: ModuleType) -> None:
         del _applied[patch.name]
         _retired.append(applied.replacements)
         log.debug("nemo_safe: %s changed since %s was applied; applying it again", patch.module, patch.name)
+    previous, _making.made = getattr(_making, "made", None), []
     try:
         replacements = patch.apply(module)
         if replacements is not None and not isinstance(replacements, Replacements):
             raise TypeError(f"apply returned {type(replacements).__name__}, not Replacements or None")
     except Exception as exc:  # a broken patch must never break the user's import
+        for made in reversed(_making.made):  # what it replaced before it failed: put back
+            made.undo()
         _failed[patch.name] = f"{type(exc).__name__}: {exc}"
         log.exception("nemo_safe: patch %s could not be applied; leaving %s unchanged", patch.name, patch.module)
         return
+    finally:
+        _making.made = previous
     _failed.pop(patch.name, None)
     if replacements is not None:
         _applied[patch.name] = _Applied(patch.module, module, replacements)

@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 VERIFIED, STRUCTURE, DECLINED = "verified", "structure", "declined"
 
-#: What reading a part's source can raise for a changed or compiled module.
-UNREADABLE = (AttributeError, KeyError, OSError, StopIteration, TypeError, SyntaxError, IndexError)
+#: What reading a part's source can raise for a changed or compiled module (an unreadable part is declined).
+#: Any exception: a gate must never fail an import (``inspect.signature`` raises ValueError for a builtin, ``unwrap``
+#: for a ``__wrapped__`` loop, ``tokenize`` its own errors).
+UNREADABLE = (Exception,)
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,12 @@ def train(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace, rank: int, world: int, result: dict) -> None:
-    import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.strategies import DDPStrategy
     from nemo import lightning as nl
     from nemo.lightning import nemo_logger
+
+    pl = nemo_logger.pl  # the Lightning this NeMo's nemo.lightning is written against (pytorch_lightning in 2.0)
+    DDPStrategy = pl.strategies.DDPStrategy
     from nemo.lightning.pytorch.callbacks import ModelCheckpoint
     from nemo.utils import logging
 

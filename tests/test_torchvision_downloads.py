@@ -518,3 +518,37 @@ def test_download_gate_by_structure(tmp_path: Path, function: str, old: str, new
     assert found.startswith(verdict), found
     if not found.startswith("recognised"):
         assert applied == "None True", applied
+
+
+SUBCLASS_PROGRAM = r"""
+import os, sys
+import numpy as np, torch
+import nemo_safe, torchvision.datasets as d
+
+class NpzDigits(d.MNIST):
+    # A user's MNIST subclass whose raw file is not an IDX file: its own resources and loader.
+    resources = [("https://example.invalid/digits.npz", None)]
+
+    def _load_data(self):
+        data = np.load(os.path.join(self.raw_folder, "digits.npz"))
+        return torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
+
+root = sys.argv[1]
+os.makedirs(os.path.join(root, "NpzDigits", "raw"))
+with open(os.path.join(root, "NpzDigits", "raw", "digits"), "wb") as f:
+    np.savez(f, x=np.zeros((3, 28, 28), dtype=np.uint8), y=np.arange(3))
+os.rename(os.path.join(root, "NpzDigits", "raw", "digits"), os.path.join(root, "NpzDigits", "raw", "digits.npz"))
+os.symlink("digits.npz", os.path.join(root, "NpzDigits", "raw", "digits"))
+print(len(NpzDigits(root, download=False)))
+"""
+
+
+@pytest.mark.parametrize("disable", ["1", ""], ids=["upstream", "nemo_safe"])
+def test_mnist_subclass_with_other_raw_files_loads(tmp_path: Path, disable: str) -> None:
+    """The IDX check is for the family's own loaders: a subclass with other raw files loads as upstream."""
+    env = {**clean_env(), "NEMO_SAFE_DISABLE": disable}
+    out = subprocess.run(
+        [sys.executable, "-c", SUBCLASS_PROGRAM, str(tmp_path / "root")], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "3", out.stderr[-2000:]

@@ -81,8 +81,7 @@ def _unpacks_four_parts(module: ModuleType) -> bool:
         len(calls) == 1
         and len(assigned) == 1
         and assigned[0].value is calls[0]
-        and isinstance(assigned[0].targets[0], ast.Tuple)
-        and len(assigned[0].targets[0].elts) == 4
+        and ast.unparse(assigned[0].targets[0]) == "(log_dir, exp_dir, name, version)"
     )
 
 
@@ -91,7 +90,13 @@ def _is_sleep_call(name: str, call: ast.Call) -> bool:
 
 
 def _calls_in_order(module: ModuleType) -> bool:
-    """``get_log_dir``, then ``check_resume``, then the fixed sleep: each once, in that order."""
+    """``get_log_dir``, then ``check_resume``, then the fixed sleep: each once, in that order, and no other
+    ``time.sleep`` in the module (the stand-in for ``time`` cuts the fixed one only)."""
+    sleeps = [
+        call for name, call in _calls_of(ast.parse(inspect.getsource(module))) if name == "time.sleep"
+    ]  # fmt: skip
+    if len(sleeps) != 1:
+        return False
     calls = _calls_of(function_tree(module.exp_manager))
     names = ["sleep" if _is_sleep_call(name, call) else name for name, call in calls]
     wanted = ["get_log_dir", "check_resume", "sleep"]
@@ -213,7 +218,14 @@ def _make_check_resume(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Callable[..., Any]:
-    def exp_manager(trainer: Any, cfg: Any = None) -> Any:
+    signature = inspect.signature(original)
+
+    def exp_manager(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)  # upstream's own error
+        trainer, cfg = bound["trainer"], bound.get("cfg")
         stack = _calls.__dict__.setdefault("stack", [])
         stack.append(_Call(nemo_resume_order.seconds_to_sleep(cfg), module.is_global_rank_zero))
         local_rank = log_local_rank(trainer)
@@ -221,7 +233,7 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
             os.environ["LOCAL_RANK"] = str(local_rank)  # upstream names its per-rank log file by it
         error: BaseException | None = None
         try:
-            return original(trainer, cfg)
+            return original(*args, **kwargs)
         except BaseException as exc:
             error = exc
             raise

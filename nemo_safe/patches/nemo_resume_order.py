@@ -222,7 +222,9 @@ class ResumeOrder:
         return result
 
     def sleep_left(self, seconds: float) -> float:
-        """What remains of upstream's fixed sleep on a non-zero rank."""
+        """What remains of upstream's fixed sleep on a non-zero rank (another sleep is left as it is)."""
+        if seconds != self.grace:
+            return seconds
         if self.ordered:
             return 0.0
         return max(0.0, seconds - self.waited)

@@ -39,6 +39,7 @@ import os
 import re
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable, run_else_upstream
@@ -60,8 +61,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def _download_parameters(module: ModuleType) -> bool:
-    parameters = list(inspect.signature(inspect.unwrap(module.download_url_to_file)).parameters)
-    return parameters[:4] == ["url", "dst", "hash_prefix", "progress"]
+    """The wrapper reads ``url``, ``dst`` and ``hash_prefix`` from the call, bound to upstream's signature."""
+    parameters = list(inspect.signature(inspect.unwrap(module.download_url_to_file)).parameters.values())
+    return [p.name for p in parameters[:4]] == ["url", "dst", "hash_prefix", "progress"]
 
 
 def _loads_through_module_global(module: ModuleType) -> bool:
@@ -111,17 +113,26 @@ def _stat_key(path: str) -> tuple[int, ...] | None:
 def single_flight_download(original: Callable[..., None]) -> Callable[..., None]:
     """``download_url_to_file`` that runs ``original`` once per destination file at a time."""
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def download_url_to_file(url: str, dst: str, hash_prefix: str | None = None, progress: bool = True) -> None:
+    def download_url_to_file(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # upstream's own error
+        bound.apply_defaults()
+        url, dst, hash_prefix = bound.arguments["url"], bound.arguments["dst"], bound.arguments["hash_prefix"]
         path = os.path.abspath(os.path.expanduser(os.fspath(dst)))
         directory = os.path.dirname(path)
         if not lock_folder_usable(directory):
-            return original(url, dst, hash_prefix, progress)
+            return original(*args, **kwargs)
         # No head start for rank 0 (none of the flights gives one): a rank that downloads a file rank 0 never asks for
         # (its own shard, an evaluation on one rank) would wait for nothing.
         flight = SingleFlight(directory, flight_name(path), what=f"download of {url} to {path}")
         before = _stat_key(path)  # an existing file counts as done only once another process replaced it
         saw_running = False
+        result: list[Any] = []
 
         def done() -> bool:
             nonlocal saw_running
@@ -132,9 +143,10 @@ def single_flight_download(original: Callable[..., None]) -> Callable[..., None]
             now = _stat_key(path)
             return now is not None and now != before
 
-        downloaded_here = run_else_upstream(flight, lambda: original(url, dst, hash_prefix, progress), done)
+        downloaded_here = run_else_upstream(flight, lambda: result.append(original(*args, **kwargs)), done)
         if not downloaded_here and hash_prefix is not None:
             _check_hash(path, hash_prefix)
+        return result[0] if result else None
 
     return download_url_to_file
 

@@ -241,12 +241,13 @@ def apply(module: ModuleType) -> Replacements | None:
         return None
     changes = Replacements(f"one download per root for {len(classes)} dataset classes ({_summary(found)})")
     patched: set[type] = set()
+    refused = {getattr(module, name) for name in declined}
     for name, cls in classes.items():
         method, check = COVERED[name]
         owner = _owner(cls, method)
         changes.expect(module, name)
-        if owner in patched:
-            continue
+        if owner in patched or owner in refused:
+            continue  # patched already, or the class that defines it was declined: its method stays upstream's
         patched.add(owner)
         original = owner.__dict__[method]
         changes.set(owner, method, single_flight(original, check), original=original)

@@ -313,6 +313,8 @@ def apply_utils(utils: ModuleType) -> Replacements | None:
     changes.set(utils, "download_url", md5_aware(utils.download_url))
     checked = {".tar": lambda _: extract_tar_checked, ".zip": extract_zip_listed}
     for suffix, extractor in list(utils._ARCHIVE_EXTRACTORS.items()):
+        if suffix not in checked:
+            continue  # an archive type of another release: extracted as upstream does
         atomic = shared["_atomic_extractor"](checked[suffix](extractor))
         changes.set_item(utils._ARCHIVE_EXTRACTORS, suffix, in_place_across_filesystems(atomic, extractor))
     return changes

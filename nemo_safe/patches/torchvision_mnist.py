@@ -147,13 +147,19 @@ def flight_name(dataset: Any) -> str:
     return "download"
 
 
-def validating_check_exists(original: Callable[[Any], bool], complete: Callable[[str], bool]) -> Callable[[Any], bool]:
+def validating_check_exists(
+    original: Callable[[Any], bool], complete: Callable[[str], bool], idx_loaders: tuple[Any, ...] = ()
+) -> Callable[[Any], bool]:
     """``_check_exists`` that also wants each raw file to be a complete IDX file (upstream's
-    ``_is_complete_idx``, ``complete`` here), warning once per file that is not."""
+    ``_is_complete_idx``, ``complete`` here), warning once per file that is not. Only for datasets that load
+    their raw files with one of ``idx_loaders`` (the family's own ``_load_data``): a user's subclass with
+    other raw files (``.npz``, images) keeps upstream's check."""
 
     def _check_exists(self: Any) -> bool:
         if not original(self):
             return False
+        if idx_loaders and getattr(type(self), "_load_data", None) not in idx_loaders:
+            return True
         for path in raw_files(self):
             if not complete(path):
                 if path not in _warned:
@@ -206,7 +212,9 @@ def apply(module: ModuleType) -> Replacements | None:
         changes.expect(module, cls_name)  # a reload of the module defines new classes
         download, check = cls.__dict__["download"], cls.__dict__["_check_exists"]  # its own, not inherited ones
         changes.set(cls, "download", single_flight_download(download, shared["_download_once"]), original=download)
-        changes.set(cls, "_check_exists", validating_check_exists(check, shared["_is_complete_idx"]), original=check)
+        loaders = tuple(getattr(module, name).__dict__.get("_load_data") for name in CLASSES)
+        validating = validating_check_exists(check, shared["_is_complete_idx"], tuple(f for f in loaders if f))
+        changes.set(cls, "_check_exists", validating, original=check)
     return changes
 
 
