@@ -161,6 +161,7 @@ def _train(args: argparse.Namespace, rank: int, world: int, result: dict) -> Non
         time.sleep(args.late_seconds)
     # As nemo.collections.llm.api._setup: NeMoLogger.setup, then AutoResume.setup.
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) if args.no_agent_store else None
+    result["setup_start"] = time.time()
     try:
         app_state = log.setup(trainer, resume_if_exists=resume.resume_if_exists)
     finally:
