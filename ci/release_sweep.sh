@@ -16,9 +16,10 @@ TORCHVISION_PROFILES=(tv017 tv020 tv024 main)
 profiles=("$@")
 [ ${#profiles[@]} -gt 0 ] || profiles=(nemo123 nemo200 nemo233 nemo273 tv017 tv020 tv024 main)
 
-# The release-dependent NeMo tests: the race and its twin, the version guard, import orders, one process, the
-# exp_manager matrix under torchrun, NeMo 2.x's NeMoLogger path (skipped where NeMo has none). The fault cases and
-# the srun/node-local/restart runs exercise nemo_safe's own code, identical on every release: they run once, on main.
+# The release-dependent NeMo tests: the exp_manager matrix under torchrun (the resume race and its upstream twin
+# among its cases), the version guard, import orders, one process, NeMo 2.x's NeMoLogger path (skipped where NeMo
+# has none). The fault cases and the srun/node-local/restart runs exercise nemo_safe's own code, identical on every
+# release: they run once, on main.
 NEMO_TESTS=(tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py tests/test_nemo_logger_path.py)
 NEMO_K="not demo_command and not local_launcher and not killed and not read_only and not disagree \
 and not srun_two_nodes and not node_local and not node_copies and not restart and not train_then_resume"

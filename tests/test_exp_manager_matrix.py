@@ -194,7 +194,11 @@ def check_race(results: Results, base: Path, rnd: str, case: str, world: int) ->
     archive = worker.old_files_dir(base, case, "nemo_safe")
     moved = sorted(p.name for p in (archive / "run_0").iterdir())
     assert moved == sorted(f"old_{i:04d}.txt" for i in range(worker.OLD_FILES)), "run_0 must hold exactly the old files"
+    for i in range(worker.OLD_FILES):  # moved whole (demo.make_old_log_dir's contents)
+        assert (archive / "run_0" / f"old_{i:04d}.txt").read_bytes() == f"old file {i}\n".encode() * (1 + i % 7)
     assert not (archive / "run_1").exists(), "old files must be moved exactly once"
+    logs = {p.name for p in archive.glob("nemo_log_globalrank-*")}
+    assert len(logs) == world, f"{case}: every rank keeps a log file of its own in log_dir, got {sorted(logs)}"
     # The upstream twin: rank 0 enters after upstream's 5 s sleep, so every other rank returned before the move.
     saw_old = [r for r in range(1, world) if up[r]["old_seen"]]
     assert saw_old == list(range(1, world)), f"{case}: upstream must show the race, old files seen by {saw_old}"
