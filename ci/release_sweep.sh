@@ -47,8 +47,11 @@ for profile in "${profiles[@]}"; do
     "$venv/bin/python" ci/support_table.py record "$profile" "${args[@]}" --exit "$result"
     [ "$result" = 0 ] || status=$result
 done
-# The table only from a whole sweep: a partial one (CI's) would drop the other releases' rows.
+# The table only from a whole sweep: a partial one (CI's) would drop the other releases' rows. A whole sweep also
+# verifies the upstream series on their older releases (CI verifies them on the newest).
 if [ $# -eq 0 ]; then
     .venv/bin/python ci/support_table.py write README.md
+    echo "release_sweep: upstream series on their older releases ($(date +%T))"
+    .venv/bin/python ci/verify_patches.py --which older || status=$?
 fi
 exit "$status"

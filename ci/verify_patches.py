@@ -2,6 +2,7 @@
 
     python ci/verify_patches.py                   # every project and release
     python ci/verify_patches.py --only nemo       # one project
+    python ci/verify_patches.py --which newest    # each series on its newest release (CI; --which older: the sweep)
 
 For each release the series names in ``ci/upstream/series*.py``, from the release's
 wheel unpacked into a temporary git repository (plus the upstream test files the series
@@ -315,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=[s.project for s in all_series()])
     parser.add_argument("--release", help="only this release of the project(s)")
+    parser.add_argument(
+        "--which", choices=("all", "newest", "older"), default="all",
+        help="newest: each series on its newest verified release (CI); older: the others (the release sweep)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     summary: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="nemo_safe-verify-") as tmp:
@@ -322,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and series.project != args.only:
                 continue
             for version in series.verified:
-                if args.release and version != args.release:
+                newest = version == series.verified[0]
+                if (args.release and version != args.release) or (args.which == "newest" and not newest):
+                    continue
+                if args.which == "older" and newest:
                     continue
                 try:
                     lines = verify(series, version, Path(tmp))

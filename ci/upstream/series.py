@@ -45,6 +45,7 @@ class Series:
     distribution: str
     #: The release the series is generated against; verified against all of ``verified``.
     base_version: str
+    #: Newest first: CI verifies the first, the release sweep the others (ci/verify_patches.py --which).
     verified: tuple[str, ...]
     patches: tuple[UpstreamPatch, ...]
     #: Upstream test files the release wheel lacks, added to the pristine tree as they were released:
