@@ -61,7 +61,8 @@ VERSION_ENV = "NEMO_EXPM_VERSION"
 #: sha256 of NeMoLogger.setup, NeMoLogger._setup_files_to_move and ModelCheckpoint.on_train_start of the
 #: releases the tests ran on; other releases are patched where every fact in :data:`FACTS` holds.
 KNOWN_SOURCES = {
-    "9cfae967b144c18adf647f7bc5c7d0bbe0a2c5903cdd0f26f35a2acf2c117630": "nemo_toolkit 2.7.3",
+    "9cfae967b144c18adf647f7bc5c7d0bbe0a2c5903cdd0f26f35a2acf2c117630": "nemo_toolkit 2.3.3 / 2.7.3",
+    "bbeb6d9757e4bccac9836bb90245d95e7a51263cb482f7f0ebd23dffd58351a3": "nemo_toolkit 2.0.0",
 }
 
 
