@@ -3,7 +3,7 @@
 # each in a real install of its own (built once and cached by ci/setup_env.sh), then the README's support table
 # regenerated from what ran (ci/support_table.py).
 #
-#   bash ci/release_sweep.sh                 # every profile below (about 25 min here once the environments exist)
+#   bash ci/release_sweep.sh                 # every profile below (about 40 min here once the environments exist)
 #   bash ci/release_sweep.sh nemo123 tv017   # some of them (what CI runs next to the main suite; no table)
 #
 # A profile is a ci/constraints-<profile>.txt ("main" is ci/constraints.txt). Results go to
