@@ -286,6 +286,11 @@ def test_srun_two_nodes(srun_matrix: tuple[Results, Path], case: str) -> None:
     check_case(results, base, "r1", case, 8)
     if case in RACE_CASES:
         check_race(results, base, "r1", case, 8)
+        # The upstream twin of each task's own log file (#8333; check_race asserts 8 names with nemo_safe): srun
+        # sets no LOCAL_RANK, so upstream names the tasks of a node alike.
+        up_dir = worker.old_files_dir(base, case, "upstream")
+        up_logs = {p.name for d in (up_dir, up_dir / "run_0") for p in d.glob("nemo_log_globalrank-*")}
+        assert len(up_logs) < 8, f"{case}: upstream must show tasks sharing a log file name, got {sorted(up_logs)}"
     if all(x["status"] == "ok" for x in ranks_of(results, "r1", case, "nemo_safe").values()):
         # Over the shared directory the barrier leaves only its empty hidden folder behind.
         leftovers = [p for d in worker.case_dir(base, case, "nemo_safe").rglob(".nemo_safe") for p in d.iterdir()]
