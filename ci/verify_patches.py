@@ -326,11 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         for series in all_series():
             if args.only and series.project != args.only:
                 continue
-            for version in series.verified:
-                newest = version == series.verified[0]
-                if (args.release and version != args.release) or (args.which == "newest" and not newest):
-                    continue
-                if args.which == "older" and newest:
+            releases = {"all": series.verified, "newest": series.verified[:1], "older": series.verified[1:]}
+            for version in releases[args.which]:
+                if args.release and version != args.release:
                     continue
                 try:
                     lines = verify(series, version, Path(tmp))

@@ -32,14 +32,19 @@ RESULT_PREFIX = "result."
 OLD_PREFIX = "old_"
 
 
+def old_file_contents(count: int) -> dict[str, bytes]:
+    """Name -> contents of the earlier run's files: sizes differ, so a file moved partly or mixed up shows."""
+    return {f"{OLD_PREFIX}{i:04d}.txt": f"old file {i}\n".encode() * (1 + i % 7) for i in range(count)}
+
+
 def make_old_log_dir(log_dir: Path, old_files: int | None) -> None:
     """A log_dir as a previous run leaves it: files to archive and a last checkpoint (also into a
     log_dir that exists already). ``None`` means a fresh start: no log_dir at all."""
     if old_files is None:
         return
     (log_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    for i in range(old_files):
-        (log_dir / f"{OLD_PREFIX}{i:04d}.txt").write_bytes(f"old file {i}\n".encode() * (1 + i % 7))
+    for name, data in old_file_contents(old_files).items():
+        (log_dir / name).write_bytes(data)
     (log_dir / "checkpoints" / "model--step=2-last.ckpt").write_text("checkpoint")
 
 

@@ -192,10 +192,11 @@ def check_race(results: Results, base: Path, rnd: str, case: str, world: int) ->
         assert ours[r]["old_seen"] == 0, f"{case}: rank {r} saw old files after exp_manager returned"
         assert ours[r]["vanished"] == 0, f"{case}: rank {r} saw entries vanish under it"
     archive = worker.old_files_dir(base, case, "nemo_safe")
+    old = demo.old_file_contents(worker.OLD_FILES)
     moved = sorted(p.name for p in (archive / "run_0").iterdir())
-    assert moved == sorted(f"old_{i:04d}.txt" for i in range(worker.OLD_FILES)), "run_0 must hold exactly the old files"
-    for i in range(worker.OLD_FILES):  # moved whole (demo.make_old_log_dir's contents)
-        assert (archive / "run_0" / f"old_{i:04d}.txt").read_bytes() == f"old file {i}\n".encode() * (1 + i % 7)
+    assert moved == sorted(old), "run_0 must hold exactly the old files"
+    for name, data in old.items():
+        assert (archive / "run_0" / name).read_bytes() == data, f"{case}: {name} not moved whole"
     assert not (archive / "run_1").exists(), "old files must be moved exactly once"
     logs = {p.name for p in archive.glob("nemo_log_globalrank-*")}
     assert len(logs) == world, f"{case}: every rank keeps a log file of its own in log_dir, got {sorted(logs)}"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nemo_safe import node_copy
-from nemo_safe_tools.demo import read_results
+from nemo_safe_tools.demo import make_old_log_dir, old_file_contents, read_results
 
 from procs import clean_env
 
@@ -54,15 +54,9 @@ def srun(
 
 
 def _old_log_dir(tmp: Path) -> dict[str, str]:
-    log = tmp / "log"
-    (log / "checkpoints").mkdir(parents=True)
-    digests = {}
-    for i in range(OLD_FILES):
-        data = f"old file {i}\n".encode() * (1 + i % 7)
-        (log / f"old_{i:04d}.txt").write_bytes(data)
-        digests[f"old_{i:04d}.txt"] = hashlib.sha256(data).hexdigest()
-    (log / "checkpoints" / "model--step=2-last.ckpt").write_text("checkpoint")
-    return digests
+    """The earlier run's log_dir (``demo.make_old_log_dir``): name -> sha256 of each old file."""
+    make_old_log_dir(tmp / "log", OLD_FILES)
+    return {name: hashlib.sha256(data).hexdigest() for name, data in old_file_contents(OLD_FILES).items()}
 
 
 def _node_copies_of(log_dir: Path) -> list[dict]:
