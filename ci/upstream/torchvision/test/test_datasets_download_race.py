@@ -206,10 +206,11 @@ def test_mnist_download_from_concurrent_processes(tmp_path):
     for name, gz in files.items():
         assert (raw / name).read_bytes() == gz, name
         assert (raw / name[: -len(".gz")]).read_bytes() == gzip.decompress(gz), name[: -len(".gz")]
-    visible = sorted(p.name for p in raw.iterdir() if not p.name.startswith("."))
-    assert visible == sorted([*MNIST_FILES, *(name[: -len(".gz")] for name in MNIST_FILES)])
-    leftovers = [str(p) for p in root.rglob("*") if p.name.startswith(".tmp.")]
-    assert not leftovers, f"temporary files left behind: {leftovers}"
+    # Everything under the root, dotfiles included: no temporary file, lock or staging folder may be left behind.
+    expected_paths = {"MNIST", "MNIST/raw"} | {f"MNIST/raw/{n}" for n in MNIST_FILES}
+    expected_paths |= {f"MNIST/raw/{n[: -len('.gz')]}" for n in MNIST_FILES}
+    found = {p.relative_to(root).as_posix() for p in root.rglob("*")}
+    assert found == expected_paths, f"left behind: {sorted(found - expected_paths)}"
 
 
 def _start_gate(side, rank, world_size):
