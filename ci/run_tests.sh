@@ -43,7 +43,7 @@ step "upstream patch series are what the code generates"
 step "pytest (nemo_toolkit 3.0.0), two test files at a time"
 # Two pytest-xdist workers, each file on one of them (module fixtures such as the matrix's launches run once; a
 # file's tests never overlap each other). The suite spends ~45% of its time waiting (start skews, throttled
-# servers, timeouts), so two at a time fill that idle time (27 instead of 45 min here). The tests' time bounds are
+# servers, timeouts), so two at a time fill that idle time (27-30 instead of 45 min here). The tests' time bounds are
 # hang guards or relative to runs measured in the same test, sized for 8 NeMo ranks on 2 cores: a busier machine
 # makes tests slower (1.0-2.4x each, measured), not different.
 .venv/bin/python -m pytest tests -n 2 --dist loadfile --durations=25 "$@"
