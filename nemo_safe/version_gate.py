@@ -13,6 +13,9 @@ and :class:`SourceGate` gives one of three verdicts for the module in hand:
   - the parts are a verified release's code up to formatting, comments, docstrings and
     annotations (their :func:`shape` is in ``shapes``): what a patch that replaces whole
     functions with its own body needs, since that body must behave like this module's;
+* **fixed upstream**: the module already carries the fix of nemo_safe's upstream pull request
+  (``fixed``: a fact naming what that pull request adds, checked before anything else). The patch
+  stays out; the process logs one info line saying so, no warning (there is no race left to warn of);
 * **declined**: anything else, with the fact that fails. The module keeps upstream's code, and
   the process logs one warning saying so.
 
@@ -34,7 +37,7 @@ from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
-VERIFIED, STRUCTURE, DECLINED = "verified", "structure", "declined"
+VERIFIED, STRUCTURE, FIXED, DECLINED = "verified", "structure", "fixed", "declined"
 
 #: What reading a part's source can raise for a changed or compiled module (an unreadable part is declined).
 #: Any exception: a gate must never fail an import (``inspect.signature`` raises ValueError for a builtin, ``unwrap``
@@ -51,21 +54,24 @@ class Fact:
 
 
 class Verdict(NamedTuple):
-    """What a gate decided for one module: ``status`` is :data:`VERIFIED`, :data:`STRUCTURE` or
-    :data:`DECLINED`; ``detail`` the release (verified), why it is recognised, or the failing fact."""
+    """What a gate decided for one module: ``status`` is :data:`VERIFIED`, :data:`STRUCTURE`, :data:`FIXED`
+    or :data:`DECLINED`; ``detail`` the release (verified), why it is recognised, what the release carries
+    (fixed), or the failing fact."""
 
     status: str
     detail: str
 
     @property
     def patches(self) -> bool:
-        return self.status != DECLINED
+        return self.status in (VERIFIED, STRUCTURE)
 
     def __str__(self) -> str:
         if self.status == VERIFIED:
             return f"verified on {self.detail}"
         if self.status == STRUCTURE:
             return f"recognised by structure ({self.detail})"
+        if self.status == FIXED:
+            return f"carries the upstream fix ({self.detail})"
         return f"declined: {self.detail}"
 
 
@@ -106,6 +112,17 @@ def init_downloads_then_checks(cls: type, method: str, check: str) -> bool:
         return False
     parameters = list(inspect.signature(inspect.unwrap(getattr(cls, check))).parameters)
     return parameters == ["self"]
+
+
+def defines_function(name: str) -> Callable[[ModuleType], bool]:
+    """A fact: the module itself defines the function ``name`` (one that an upstream pull request adds:
+    the module then carries that fix; nemo_safe's own replacements never add names to a module)."""
+
+    def holds(module: ModuleType) -> bool:
+        function = vars(module).get(name)
+        return callable(function) and getattr(function, "__module__", None) == module.__name__
+
+    return holds
 
 
 class _Normalise(ast.NodeTransformer):
@@ -164,7 +181,8 @@ class SourceGate:
     patch replaces with its own.
     ``facts`` are what the patch relies on; ``by_facts`` says whether they are enough on their own
     (a patch that only wraps upstream's functions) or whether the code must also have a verified
-    release's shape (a patch that runs its own body in place of upstream's). ``library`` names the
+    release's shape (a patch that runs its own body in place of upstream's). ``fixed`` says the module
+    already has what the upstream pull request adds (the patch then stays out). ``library`` names the
     distribution in messages; ``unpatched`` says what upstream does, for ``nemo-safe doctor``;
     ``consequence`` what staying upstream means, for the one warning of a declined module."""
 
@@ -180,11 +198,13 @@ class SourceGate:
         shapes: dict[str, str] | None = None,
         by_facts: bool = False,
         shape_parts: Callable[[ModuleType], Sequence[object]] | None = None,
+        fixed: Fact | None = None,
     ) -> None:
         self.target, self.parts, self.known, self.library = target, parts, known, library
         self.unpatched, self.consequence = unpatched, consequence
         self.facts, self.shapes, self.by_facts = tuple(facts), dict(shapes or {}), by_facts
         self.shape_parts = shape_parts or parts
+        self.fixed = fixed
         self._warned = False
         self._lock = threading.Lock()
 
@@ -195,6 +215,8 @@ class SourceGate:
         """What this gate decides for ``module`` (patched by nemo_safe or not: the wrappers name
         upstream's functions through ``__wrapped__``)."""
         try:
+            if self.fixed is not None and self.fixed.holds(module):
+                return Verdict(FIXED, self.fixed.says)
             for fact in self.facts:
                 if not fact.holds(module):
                     return Verdict(DECLINED, f"{fact.says}: does not hold in this {self.library}")
@@ -228,6 +250,9 @@ class SourceGate:
         if verdict.status == STRUCTURE:
             log.info("nemo_safe: %s %s: patched", self.target, verdict)
             return
+        if verdict.status == FIXED:
+            log.info("nemo_safe: %s %s: left as it is", self.target, verdict)
+            return
         log.warning(
             "nemo_safe: %s is left untouched, %s (verified on %s); %s. Run `nemo-safe doctor` and report the %s "
             "version.",
@@ -241,5 +266,7 @@ class SourceGate:
     def describe(self, module: ModuleType) -> str:
         """What the unpatched module is to the patch, for ``nemo-safe doctor``."""
         found = self.verdict(module)
+        if found.status == FIXED:
+            return f"{found}: nemo_safe stays out of it"
         where = f" (verified on {self.releases()})" if found.status == DECLINED else ""
         return f"{found}{where}: {self.unpatched}"

@@ -18,6 +18,11 @@ changes what it does:
 
 Without a multi-process launcher (one process, Lightning's own local launcher
 before ``fit()``, an interactive SLURM shell) nothing changes.
+
+A NeMo that carries the upstream ordering (NeMo pull request 2 of ``patches/nemo``:
+``exp_manager()`` calls :data:`UPSTREAM_ORDERING`) is left to order itself; only
+the local rank is still exported, for the one-device srun/mpirun case upstream's
+``trainer.local_rank`` does not cover.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from nemo_safe.patches import nemo_resume_order
 from nemo_safe.patches.nemo_log_names import log_local_rank
 from nemo_safe.patches.nemo_resume_order import ResumeOrder
 from nemo_safe.patching import Replacements
-from nemo_safe.version_gate import Fact, SourceGate, called_name, calls_in_order, function_tree
+from nemo_safe.version_gate import FIXED, Fact, SourceGate, called_name, calls_in_order, function_tree
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,9 @@ KNOWN_SOURCES = {
 }
 #: The call that gives non-zero ranks their fixed wait, which the patch cuts.
 SLEEP_CALL = "time.sleep(cfg.seconds_to_sleep)"
+#: What NeMo pull request 2 of ``patches/nemo`` adds to ``nemo.utils.exp_manager`` and calls from
+#: ``exp_manager()`` (tests/test_upstream_fixed.py checks that the series defines it).
+UPSTREAM_ORDERING = "check_resume_in_order"
 
 
 def _calls_of(tree: ast.AST) -> list[tuple[str, ast.Call]]:
@@ -123,6 +131,13 @@ def _module_globals(module: ModuleType) -> bool:
     )
 
 
+def _orders_itself(module: ModuleType) -> bool:
+    """``exp_manager()`` calls the upstream ordering that ``nemo.utils.exp_manager`` itself defines."""
+    ordering = vars(module).get(UPSTREAM_ORDERING)
+    calls = {name for name, _ in _calls_of(function_tree(module.exp_manager))}
+    return callable(ordering) and UPSTREAM_ORDERING in calls
+
+
 #: What the patch relies on in ``nemo.utils.exp_manager`` (true from nemo_toolkit 1.21.0 on; 1.20.0 has no
 #: fixed sleep and calls ``check_resume`` only when resuming).
 FACTS = (
@@ -143,6 +158,7 @@ GATE = SourceGate(
     consequence="exp_manager keeps upstream's resume race",
     facts=FACTS,
     by_facts=True,  # the patch wraps get_log_dir and check_resume, it never replaces their bodies
+    fixed=Fact(f"exp_manager() calls its own {UPSTREAM_ORDERING}(): rank 0 moves old files first", _orders_itself),
 )
 source_digest, recognise = GATE.digest, GATE.recognise
 
@@ -256,6 +272,10 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
 def apply(module: ModuleType) -> Replacements | None:
     verdict = GATE.verdict(module)
     GATE.note(module, verdict)
+    if verdict.status == FIXED:
+        changes = Replacements(f"{verdict}: only the per-rank log file's local rank (srun, mpirun)")
+        changes.set(module, "exp_manager", _make_exp_manager(module.exp_manager, module))
+        return changes
     if not verdict.patches:
         return None
     changes = Replacements(f"{verdict}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep")

@@ -53,7 +53,7 @@ from nemo_safe.patches import torchvision_upstream
 from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import check_still_leading
-from nemo_safe.version_gate import Fact, SourceGate, called_name, calls_in_order, function_tree
+from nemo_safe.version_gate import Fact, SourceGate, called_name, calls_in_order, defines_function, function_tree
 from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,10 @@ FACTS = (
     Fact("_ARCHIVE_EXTRACTORS maps .tar and .zip to extractors", _extractors_by_suffix),
 )  # fmt: skip
 
+#: What torchvision pull request 1 of ``patches/torchvision`` adds to ``utils.py`` (copied from
+#: :mod:`nemo_safe.patches.torchvision_upstream`): a release that defines it publishes atomically itself.
+UPSTREAM_ATOMIC = torchvision_upstream._atomic_path.__name__
+
 _expected = threading.local()
 _ORIGINAL_DECOMPRESS: list[Callable[..., Any]] = []
 #: Staging folder -> the members its checked extraction created (read by :func:`publish_tree`).
@@ -122,7 +126,9 @@ GATE = SourceGate(
     facts=FACTS,
     shapes=KNOWN_SHAPES,
     shape_parts=lambda module: [getattr(module, name) for name in REPLACED],
-)
+    fixed=Fact(f"torchvision/datasets/utils.py defines {UPSTREAM_ATOMIC}: it publishes files atomically itself",
+               defines_function(UPSTREAM_ATOMIC)),
+)  # fmt: skip
 source_digest, recognise = GATE.digest, GATE.recognise
 
 

@@ -32,7 +32,7 @@ from nemo_safe.patches import torchvision_mnist_upstream
 from nemo_safe.patches.upstream_code import run_in
 from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable
-from nemo_safe.version_gate import Fact, SourceGate, init_downloads_then_checks
+from nemo_safe.version_gate import Fact, SourceGate, defines_function, init_downloads_then_checks
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,10 @@ def _init_downloads_then_checks(module: ModuleType) -> bool:
     return init_downloads_then_checks(module.MNIST, "download", "_check_exists")
 
 
+#: What torchvision pull request 2 of ``patches/torchvision`` adds to ``mnist.py`` (copied from
+#: :mod:`nemo_safe.patches.torchvision_mnist_upstream`): a release that defines it downloads once itself.
+UPSTREAM_ONCE = torchvision_mnist_upstream._download_once.__name__
+
 #: What the patch relies on: it wraps each class's own ``download`` (run by one process at a time, as upstream's
 #: ``@_download_once`` does) and ``_check_exists`` (plus the IDX size check), never replacing their bodies.
 FACTS = (
@@ -98,7 +102,9 @@ GATE = SourceGate(
     consequence="MNIST-family downloads stay as upstream has them (every process downloads)",
     facts=FACTS,
     by_facts=True,
-)
+    fixed=Fact(f"torchvision/datasets/mnist.py defines {UPSTREAM_ONCE}: one download per root across processes",
+               defines_function(UPSTREAM_ONCE)),
+)  # fmt: skip
 source_digest, recognise = GATE.digest, GATE.recognise
 
 
