@@ -274,10 +274,38 @@ def _verify_series(series: Series, version: str, repo: Path, base: str, work: Pa
         f"  race tests failing unpatched, passing patched: {', '.join(sorted(races))}",
     ]
     lines += [f"    unpatched {t}: {r}" for t, r in sorted(unpatched.reasons.items()) if _base_id(t) in races]
+    if whole:
+        lines += _new_tests_unpatched(series, added, races, unpatched)
     known = sorted(t for t, r in patched.results.items() if r != "passed")
     if known:
         lines.append(f"  failing or skipped patched and unpatched alike (the release's own, here): {known}")
     lines.append(_windows_imports(series, version, repo, base, tree, work))
+    return lines
+
+
+def _new_tests_unpatched(series: Series, added: set[str], races: set[str], unpatched: Outcome) -> list[str]:
+    """Each test the series adds, run on the unpatched release: it fails there (it can fail), or it is declared
+    behaviour-keeping (``keeps_behaviour``) and passes. A new test that passes unpatched undeclared, or a declared
+    one that fails, is an error: the first could be a test that cannot fail."""
+    keeping = {t for p in series.patches for t in p.keeps_behaviour}
+    lines, wrong = [f"  each new test on the unpatched release ({len(added)}):"], []
+    for test in sorted(added):
+        results = {r for t, r in unpatched.results.items() if _base_id(t) == test}
+        reasons = sorted({unpatched.reasons.get(t, "") for t in unpatched.results if _base_id(t) == test} - {""})
+        if test in keeping:
+            kept = results == {"passed"}
+            verdict = "passes: declared behaviour-keeping" if kept else f"declared keeping but {sorted(results)}"
+            wrong += [] if kept else [test]
+        elif results and "passed" not in results:
+            kind = "race test, " if test in races else ""
+            verdict = f"fails ({kind}{reasons[0][:100] if reasons else ', '.join(sorted(results))})"
+        else:
+            verdict = f"NOT failing unpatched ({', '.join(sorted(results)) or 'did not run'}) and not declared keeping"
+            wrong.append(test)
+        lines.append(f"    {test}: {verdict}")
+    if wrong:
+        raise VerifyError(f"{series.project}: new tests that neither fail unpatched nor are declared keeping: {wrong}\n"
+                          + "\n".join(lines))  # fmt: skip
     return lines
 
 

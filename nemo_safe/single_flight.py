@@ -59,25 +59,30 @@ whose exclusive create carries a verifier) elects the leader instead. No file lo
 
 ``run(job, done)`` runs the job; :meth:`SingleFlight.hold` is the same as a context
 manager (the leader runs the ``with`` block, the others come out of ``__enter__``
-once ``done()`` holds): the MNIST overlay uses it in place of upstream torchvision's
-``_download_lock``.
+once ``done()`` holds).
+
+The protocol above is not written here: :class:`SingleFlight` is a subclass of
+:class:`~nemo_safe.download_lock._DownloadLock`, the lock torchvision's pull request
+carries, and runs its ``hold``/``_wait``/``_finish``/``_beat``; this module swaps in the
+lock files of :class:`~nemo_safe.flight_locks.FlightLocks` (election by ``link(2)``,
+foreign entries), the job's progress in each beat, the dead-pid and stuck-leader
+takeovers (``_takes_over``), SIGTERM, logging and nemo_safe's errors.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nemo_safe.atomic_files import pid_alive, unlink_if_exists
+from nemo_safe.atomic_files import pid_alive
 from nemo_safe.cluster_identity import detect as detect_identity
+from nemo_safe.download_lock import _LOCK_BEAT, _LOCK_STALE, _DownloadLock
 from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, NemoSafeError, WaitTimeout
 from nemo_safe.flight_locks import LOCK_DIRNAME, FlightLocks, lock_folder_usable
 from nemo_safe.term_signal import released_on_sigterm
@@ -102,17 +107,12 @@ STALE_AFTER_ENV = "NEMO_SAFE_STALE_AFTER"
 #: 15 beats: a live leader's beat stops only when its process is stopped or its writes hang, and one
 #: that comes back after the limit is deposed safely (:class:`LeaderDeposed`); a live leader whose
 #: job is stuck keeps beating and is handled by :data:`PROGRESS_LIMIT` instead.
-DEFAULT_STALE_AFTER = 15.0
-HEARTBEAT = 1.0
+DEFAULT_STALE_AFTER = _LOCK_STALE
+HEARTBEAT = _LOCK_BEAT
 #: Shortest stale limit a setting may ask for: two beats (a smaller one takes over from every live leader).
 MIN_STALE_AFTER = 2 * HEARTBEAT
-#: How long the final beat may take to be written when the leader is interrupted (SIGTERM).
-ABANDON_JOIN = 2.0
 #: Missed beats after which a same-host leader whose pid is gone counts as dead.
 DEAD_PID_BEATS = 3
-#: A waiter's own pause between two successful reads longer than this (or than a third of the
-#: stale limit): its stall, or reads that failed, restart its count of the leader's silence.
-OWN_STALL = 5.0
 _leading = threading.local()
 
 
@@ -180,102 +180,18 @@ def _poll_cap() -> float:
     return poll_cap(size, CALLS_PER_POLL)
 
 
-class _Watch:
-    """What a waiter has seen of one generation's leader. Silence is counted between this
-    waiter's own successful reads only, so its own stalls never look like the leader's."""
-
-    def __init__(self, generation: int, stale_after: float, poll_max: float) -> None:
-        self.generation = generation
-        # At least two polls: a waiter's own pause between two reads is not the leader's silence.
-        self.own_stall = max(min(OWN_STALL, stale_after / 3), 2 * poll_max)
-        self.beat: Any = None
-        self.progress: Any = None
-        self.changed_at = self.progressed_at = time.monotonic()
-        self.read_at = self.changed_at
-        self.saw_running = False
-
-    def observe(self, info: dict[str, Any]) -> bool:
-        """Record one successful read; True when the leader's job progressed since the last one (a lock
-        of a version that did not measure progress: when it beat)."""
-        now = time.monotonic()
-        if now - self.read_at > self.own_stall:
-            self.changed_at = now  # we were away (stalled, or our reads failed): we saw no silence
-        self.read_at = now
-        if info.get("state") == "running":
-            self.saw_running = True
-        if info.get("beat") != self.beat:
-            self.beat = info.get("beat")
-            self.changed_at = now
-        progress = info.get("progress", info.get("beat"))
-        if progress != self.progress:
-            self.progress, self.progressed_at = progress, now
-            return True
-        return False
-
-    def standstill(self, info: dict[str, Any]) -> float:
-        """Seconds the leader's job showed no progress: by the leader's own count of idle beats, or
-        since this waiter last saw its progress counter change, whichever is longer."""
-        return max(info.get("idle", 0) * HEARTBEAT, time.monotonic() - self.progressed_at)
-
-    def frozen_for(self) -> float:
-        return time.monotonic() - self.changed_at
-
-
-#: What :meth:`SingleFlight._look` returns while neither done nor elected.
-_KEEP_WAITING = -1
-
-
 def _block_sigterm() -> None:
     """Keep SIGTERM off this (helper) thread: the main thread, which handles it, must be interrupted."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
-class _Heartbeat:
-    """The leader's sign of life: its lock rewritten every :data:`HEARTBEAT` seconds with a growing
-    ``beat``, until stopped, or until it finds that another process took the flight over. Each beat
-    also says whether the thread running the job advanced (``progress``, ``idle``): a beat proves
-    the process alive, not its job."""
-
-    def __init__(self, flight: SingleFlight, generation: int) -> None:
-        self.flight = flight
-        self.generation = generation
-        self.count = 0
-        #: Beats at which the job's thread had advanced, and beats since it last did.
-        self.progress = self.idle = 0
-        self._job = ThreadProgress(threading.current_thread())
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"nemo_safe-heartbeat-{flight.name}")
-        self._thread.start()
-
-    def _run(self) -> None:
-        _block_sigterm()
-        locks = self.flight.locks
-        while not self._stop.wait(HEARTBEAT):
-            self.count += 1
-            if self._job.advanced():
-                self.progress, self.idle = self.progress + 1, 0
-            else:
-                self.idle += 1
-            try:
-                if not locks.still_holds(self.generation):
-                    self.flight._deposed.set()  # stalled past the limit and replaced: stop beating
-                    return
-                body = locks.info("running", self.count, progress=self.progress, idle=self.idle)
-                if not self._stop.is_set():
-                    locks.publish(self.generation, body)
-            except OSError as exc:
-                log.warning("nemo_safe: %s: heartbeat failed: %s", self.flight.what, exc)
-
-    def stop(self, timeout: float | None = None) -> int:
-        """Stop beating; the beat number the leader's next (final) record carries."""
-        self._stop.set()
-        self._thread.join(timeout)
-        return self.count + 1
-
-
-class SingleFlight:
-    """``run()`` in every process; the job runs once per directory at a time."""
+class SingleFlight(_DownloadLock):
+    """``run()`` in every process; the job runs once per directory at a time. The protocol (waiting, leading,
+    the heartbeat, takeover, outcomes) is :class:`~nemo_safe.download_lock._DownloadLock`'s, the code that
+    torchvision's ``utils.py`` gets; this class adds the lock files of :class:`FlightLocks` (election by
+    ``link(2)``, foreign entries ignored), the job thread's progress in each beat (a stuck job is taken over),
+    a dead pid seen on this host, SIGTERM, logging and nemo_safe's errors."""
 
     def __init__(
         self,
@@ -288,9 +204,10 @@ class SingleFlight:
         poll_max: float | None = None,
     ) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
-        self.name = name
         self.what = what or f"{name} in {self.directory}"
         self.locks = FlightLocks(self.directory, name, self.what)
+        super().__init__(self.locks.lock_dir, name)
+        self.token = self.locks.nonce
         self.lock_dir = self.locks.lock_dir
         self.timeout = timeout_or_default(self.what, timeout)
         self.stale_after = (
@@ -304,103 +221,138 @@ class SingleFlight:
         #: True when this process ran the job (tests and the demo report it).
         self.led = False
         self._generation: int | None = None  # the generation this process leads
-        self._deposed = threading.Event()
+        #: While leading: the job thread's progress, and the beats at which it had advanced / since it last did.
+        self._job: ThreadProgress | None = None
+        self.progress = self.idle = 0
+        self._was_deposed = False
+        self._won = -1  # the generation this process created last
+        self._why = ""  # why this waiter is about to take over (logged by the one that does)
+        self._backoff = Backoff(self.poll_max, start=0.01)
+        self._waited = Progress()
 
-    def _is_stale(self, info: dict[str, Any], watch: _Watch) -> bool:
-        if info.get("state") == "foreign":
-            return True  # not a leader at all
-        if info.get("state") not in ("running", "unreadable"):
-            return False
-        frozen = watch.frozen_for()
-        if frozen >= self.stale_after:
+    # -- the lock files: FlightLocks' ----------------------------------------------------
+
+    def _generations(self) -> list[int]:
+        return self.locks.generations()
+
+    def _read(self, generation: int) -> dict[str, Any] | None:
+        return self.locks.read(generation)
+
+    def _write(self, generation: int, state: str, beat: int, **extra: Any) -> None:
+        if state == "running" and beat > 0:  # a beat (from the heartbeat thread): how the job fares
+            extra.update(self._job_progress())
+        self.locks.publish(generation, self.locks.info(state, beat, **extra))
+
+    def _create(self, generation: int) -> bool:
+        won = self.locks.try_lead(generation)
+        if won:
+            self._won = generation
+        if won and self._why:
+            log.warning("nemo_safe: %s: %s", self.what, self._why)  # once: by the process that took over
+        self._why = ""
+        return won
+
+    def _holds(self, generation: int) -> bool:
+        return self.locks.still_holds(generation)
+
+    def _finish(self, generation: int, state: str, **extra: Any) -> bool:
+        """The outcome, as upstream's; a leader taken over while stalled raises :class:`LeaderDeposed` (it
+        publishes nothing and waits for the new one), and a successful one also removes the lock folder."""
+        held = super()._finish(generation, state, **extra)
+        if not held and state != "abandoned":
+            log.warning("nemo_safe: %s: taken over while stalled; waiting for the new leader", self.what)
+            raise self._deposed_error(generation)
+        if held and state == "done":
+            self.locks.remove_through(generation)  # also the lock folder, when nothing else is in it
+        return held
+
+    # -- what this class adds to the protocol --------------------------------------------
+
+    def _job_progress(self) -> dict[str, int]:
+        """Whether the job's thread advanced since the last beat: a beat proves the process alive, not its job."""
+        if self._job is not None and self._job.advanced():
+            self.progress, self.idle = self.progress + 1, 0
+        else:
+            self.idle += 1
+        return {"progress": self.progress, "idle": self.idle}
+
+    def _beat(self, generation: int) -> None:
+        _block_sigterm()
+        super()._beat(generation)
+
+    def _takes_over(self, info: dict[str, Any], silent: float, overdue: bool) -> bool:
+        """Dead (its beat stopped, or its pid is gone on this host), a file that is no lock, or alive but stuck
+        (its job made no progress for :data:`PROGRESS_LIMIT` by its own count, or for this waiter's whole
+        timeout: a live leader is taken over, never timed out). Remembers why, for :meth:`_create`'s warning."""
+        self._why = ""
+        state = info.get("state")
+        if state == "foreign":
+            return True  # not a leader at all (read() warned)
+        beating = silent < DEAD_PID_BEATS * HEARTBEAT
+        if state == "running" and (info.get("idle", 0) * HEARTBEAT >= self.progress_limit or (overdue and beating)):
+            self._why = (
+                f"the process doing it (host {info.get('host')}, pid {info.get('pid')}) is alive but its work made no "
+                f"progress for {max(info.get('idle', 0) * HEARTBEAT, self.timeout if overdue else 0):.0f} s (stuck in "
+                "a call that does not return?); this process does it again instead (the stuck one publishes nothing "
+                "if it comes back)"
+            )
             return True
+        if state not in ("running", "unreadable"):
+            return False
         here = (self.locks.host, self.locks.pidns)
         same_process_space = self.locks.pidns is not None and (info.get("host"), info.get("pidns")) == here
-        if not same_process_space or frozen < DEAD_PID_BEATS * HEARTBEAT:
-            return False
         pid = info.get("pid")
-        return isinstance(pid, int) and not pid_alive(pid)
-
-    # -- the leader ----------------------------------------------------------------
-
-    def _check_not_deposed(self) -> None:
-        if self._generation is None:
-            return
-        if self._deposed.is_set() or not self.locks.still_holds(self._generation):
-            raise self._deposed_error(self._generation)
-
-    @contextlib.contextmanager
-    def _lead(self, generation: int) -> Iterator[None]:
-        """Run the block as this generation's leader. Raises :class:`LeaderDeposed` when this process
-        was taken over while it ran: its outcome is not published, the caller waits again."""
-        self.led = True
-        self._generation = generation
-        self._deposed.clear()
-        beat = _Heartbeat(self, generation)
-        _leading.flight = self
-        log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
-        try:
-            with released_on_sigterm(lambda: self._abandon(generation, beat)):
-                yield
-            self._check_not_deposed()
-        except Exception as exc:
-            self._record_failure(generation, beat.stop(), exc)
-            raise
-        except BaseException:
-            # Interrupted (Ctrl-C, a SIGTERM handler's exception): no verdict on the job, so the others take over now.
-            self._abandon(generation, beat)
-            raise
-        finally:
-            _leading.flight = None
-            self._generation = None
-        self._record_success(generation, beat.stop())
-
-    def _abandon(self, generation: int, beat: _Heartbeat) -> None:
-        """Mark the lock abandoned (still ours): waiters on every host take over at their next look."""
-        final_beat = beat.stop(ABANDON_JOIN)
-        try:
-            if self.locks.still_holds(generation):
-                self.locks.publish(generation, self.locks.info("abandoned", final_beat))
-        except OSError:
-            unlink_if_exists(os.path.join(self.lock_dir, self.locks.lock_name(generation)))
-
-    def _record_failure(self, generation: int, beat: int, exc: Exception) -> None:
-        """The job raised: record it for the waiters, unless this process was deposed meanwhile."""
-        if self._was_deposed(generation):
-            log.warning("nemo_safe: %s: taken over while stalled (%s: %s); waiting for the new leader",
-                        self.what, type(exc).__name__, exc)  # fmt: skip
-            raise self._deposed_error(generation) from exc
-        try:
-            self.locks.publish(
-                generation, self.locks.info("failed", beat, error_type=type(exc).__name__, error=str(exc))
+        dead_pid = same_process_space and not beating and isinstance(pid, int) and not pid_alive(pid)
+        if silent >= self.stale_after or dead_pid:
+            self._why = (
+                f"the process doing it (host {info.get('host')}, pid {pid}) stopped answering for {silent:.0f} s; "
+                "taking over"
             )
-        except OSError as publish_error:  # e.g. the same full disk: waiters then see a dead leader instead
-            log.warning("nemo_safe: %s: could not record the failure for the others: %s", self.what, publish_error)
+            return True
+        return False
 
-    def _record_success(self, generation: int, beat: int) -> None:
-        """Mark the lock done (the waiters' ``done()`` then holds), and remove it and older generations."""
-        try:
-            if not self.locks.still_holds(generation):
-                raise FileNotFoundError(
-                    errno.ENOENT, "the lock is another process's now", self.locks.lock_name(generation)
-                )
-            self.locks.publish(generation, self.locks.info("done", beat))
-        except OSError as exc:
-            if not self._was_deposed(generation):
-                raise
-            log.warning("nemo_safe: %s: taken over while stalled (%s); waiting for the new leader", self.what, exc)
-            raise self._deposed_error(generation) from exc
-        self.locks.remove_through(generation)
+    def _pause(self, delay: float, info: dict[str, Any], deadline: float) -> float:
+        if info and self._waited.due():
+            log.info("nemo_safe: %s: waiting %.0f s for host %s pid %s", self.what, self._waited.elapsed,
+                     info.get("host"), info.get("pid"))  # fmt: skip
+        self._backoff.sleep(deadline)
+        return delay
+
+    def _error(self, info: dict[str, Any]) -> Exception:
+        if info.get("state") == "failed":
+            return LeaderFailed(
+                f"{self.what} failed in the process that did it for this one (host {info.get('host')}, "
+                f"pid {info.get('pid')}): {info.get('error_type')}: {info.get('error')}",
+                str(info.get("error_type", "")),
+                str(info.get("error", "")),
+            )
+        if not info:
+            return WaitTimeout(f"{self.what}: could not list or read {self.lock_dir} for {self.timeout:.0f} s")
+        return WaitTimeout(
+            f"{self.what}: waited {self._waited.elapsed:.0f} s for the process doing it (host "
+            f"{info.get('host')}, pid {info.get('pid')}), and for the last {self.timeout:.0f} s it "
+            f"showed no sign of progress (its lock {self.lock_dir} did not change) although it was not "
+            "found dead. Check that process; raise NEMO_SAFE_BARRIER_TIMEOUT if it is merely slow."
+        )
 
     def _deposed_error(self, generation: int) -> LeaderDeposed:
-        self._deposed.set()  # what run() and hold()'s callers check before waiting again
+        self._was_deposed = True  # what run() and hold()'s callers check before waiting again
         return LeaderDeposed(
             f"{self.what}: this process (pid {os.getpid()}) was taken over as the one doing it "
             f"(generation {generation}) while it was stalled; it stops and waits for the new one"
         )
 
-    def _was_deposed(self, generation: int) -> bool:
-        return self._deposed.is_set() or not self.locks.still_holds(generation)
+    def _check_not_deposed(self) -> None:
+        if self._generation is not None and not self._holds(self._generation):
+            raise self._deposed_error(self._generation)
+
+    def _abandon(self, generation: int) -> None:
+        """SIGTERM: mark the lock abandoned (still ours): waiters on every host take over at their next look."""
+        self._finish(generation, "abandoned")
+
+    def _wait(self, done: Callable[[], bool]) -> int | None:
+        self._backoff, self._waited = Backoff(self.poll_max, start=0.01), Progress()
+        return super()._wait(done)
 
     # -- everyone ------------------------------------------------------------------
 
@@ -424,8 +376,9 @@ class SingleFlight:
                         job()
                 return
             except LeaderDeposed:
-                if not self._deposed.is_set():
+                if not self._was_deposed:
                     raise  # another flight's, raised inside the job
+                self._was_deposed = False
                 # taken over while stalled: wait for the new leader (or lead again)
 
     @contextlib.contextmanager
@@ -443,120 +396,21 @@ class SingleFlight:
         if key in held:
             yield True
             return
-        generation = self._wait(done)
-        if generation is None:
-            yield False
-            return
-        held.add(key)
-        try:
-            with self._lead(generation):
-                yield True
-        finally:
-            held.discard(key)
-
-    def _wait(self, done: Callable[[], bool]) -> int | None:
-        """None once ``done()`` holds; the generation this process won the lock of, when it must lead."""
-        waiting = _Waiting(self)
-        while True:
-            if done():
-                return None
-            outcome = waiting.look(done)
-            if outcome is not _KEEP_WAITING:
-                return outcome
-
-
-class _Waiting:
-    """One process's wait in :meth:`SingleFlight.hold`: its deadline (extended by each sign of the
-    leader's progress, not by its mere beat), its poll schedule and what it has seen of the current leader."""
-
-    def __init__(self, flight: SingleFlight) -> None:
-        self.flight = flight
-        self.deadline = time.monotonic() + flight.timeout
-        self.backoff = Backoff(flight.poll_max, start=0.01)
-        self.progress = Progress()
-        self.watch: _Watch | None = None
-
-    def look(self, done: Callable[[], bool]) -> int | None:
-        """One look at the lock folder: lead where no generation exists yet, else follow the newest one's leader."""
-        f = self.flight
-        try:
-            generations = f.locks.generations()
-        except OSError as exc:  # listing failed on our side (a failover): not a verdict on anyone
-            log.debug("nemo_safe: %s: listing the lock folder failed: %s", f.what, exc)
-            if time.monotonic() > self.deadline:
-                message = f"{f.what}: could not list {f.lock_dir} for {f.timeout:.0f} s: {exc}"
-                raise WaitTimeout(message) from exc
-            self.backoff.sleep(self.deadline)
-            return _KEEP_WAITING
-        if not generations:
-            if f.locks.try_lead(0):
-                return 0
-            self.backoff.sleep(self.deadline)  # another process won; this listing did not show it yet
-            return _KEEP_WAITING
-        current = generations[-1]
-        try:
-            info = f.locks.read(current)
-        except OSError as exc:  # our own read failed (an NFS failover): not the leader's silence
-            log.debug("nemo_safe: %s: reading the lock failed: %s", f.what, exc)
-            info = {}
-        if info is None:
-            self.backoff.sleep(self.deadline)  # removed by a finishing leader just now
-            return _KEEP_WAITING
-        return self._follow(current, info, done)
-
-    def _follow(self, current: int, info: dict[str, Any], done: Callable[[], bool]) -> int | None:
-        """Judge generation ``current``'s lock (``{}`` when this process could not read it): raise the
-        leader's failure, take over from a dead or finished one, or wait on."""
-        f = self.flight
-        if self.watch is None or self.watch.generation != current:
-            self.watch = _Watch(current, f.stale_after, f.poll_max)
-        watch = self.watch
-        if info and watch.observe(info):
-            self.deadline = max(self.deadline, time.monotonic() + f.timeout)  # the timeout is for standstill
-        state = info.get("state")
-        if state == "failed" and watch.saw_running:
-            raise LeaderFailed(
-                f"{f.what} failed in the process that did it for this one (host {info.get('host')}, "
-                f"pid {info.get('pid')}): {info.get('error_type')}: {info.get('error')}",
-                str(info.get("error_type", "")),
-                str(info.get("error", "")),
-            )
-        if state in ("failed", "done", "abandoned") or (info and f._is_stale(info, watch)):
-            # An earlier attempt's failure, a leader whose job did not cover this process, one
-            # interrupted, a dead leader or a file that is no lock: one process starts the next generation.
-            if state not in ("failed", "done", "foreign", "abandoned"):
-                log.warning(
-                    "nemo_safe: %s: the process doing it (host %s, pid %s) stopped answering for %.0f s; taking over",
-                    f.what, info.get("host"), info.get("pid"), watch.frozen_for(),
-                )  # fmt: skip
-            if state == "done" and done():
-                return None
-            if f.locks.try_lead(current + 1):
-                return current + 1
-            self.backoff.sleep(self.deadline)  # another process took over first
-            return _KEEP_WAITING
-        idle = info.get("idle", 0) * HEARTBEAT if state == "running" else 0.0
-        beating = state == "running" and watch.frozen_for() < DEAD_PID_BEATS * HEARTBEAT
-        if idle >= f.progress_limit or (beating and time.monotonic() > self.deadline):
-            if f.locks.try_lead(current + 1):
-                log.warning(
-                    "nemo_safe: %s: the process doing it (host %s, pid %s) is alive but its work made no progress "
-                    "for %.0f s (stuck in a call that does not return?); this process does it again instead (the "
-                    "stuck one publishes nothing if it comes back)", f.what, info.get("host"), info.get("pid"),
-                    watch.standstill(info),
-                )  # fmt: skip
-                return current + 1
-            self.backoff.sleep(self.deadline)  # another waiter took over first: wait for that one
-            return _KEEP_WAITING
-        if time.monotonic() > self.deadline:
-            raise WaitTimeout(
-                f"{f.what}: waited {self.progress.elapsed:.0f} s for the process doing it (host "
-                f"{info.get('host')}, pid {info.get('pid')}), and for the last {f.timeout:.0f} s it "
-                f"showed no sign of progress (its lock {f.lock_dir} did not change) although it was not "
-                "found dead. Check that process; raise NEMO_SAFE_BARRIER_TIMEOUT if it is merely slow."
-            )
-        if self.progress.due():
-            log.info("nemo_safe: %s: waiting %.0f s for host %s pid %s", f.what, self.progress.elapsed,
-                     info.get("host"), info.get("pid"))  # fmt: skip
-        self.backoff.sleep(self.deadline)
-        return _KEEP_WAITING
+        with super().hold(done) as leading:  # waited; a leader's heartbeat has started
+            if not leading:
+                yield False
+                return
+            generation = self._generation = self._won
+            self.led = True
+            self._job = ThreadProgress(threading.current_thread())
+            self.progress = self.idle = 0
+            _leading.flight = self
+            held.add(key)
+            log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
+            try:
+                with released_on_sigterm(lambda: self._abandon(generation)):
+                    yield True
+            finally:
+                held.discard(key)
+                _leading.flight = None
+                self._generation = self._job = None

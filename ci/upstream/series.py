@@ -32,6 +32,9 @@ class UpstreamPatch:
     race_tests: tuple[str, ...] = ()
     #: Slugs of earlier patches this one needs; empty: it applies and passes on the pristine release alone.
     requires: tuple[str, ...] = ()
+    #: ``file::name`` of the tests this patch adds that pass on the unpatched release too, on purpose: they check
+    #: that behaviour the patch must keep is kept. Every other test it adds must fail unpatched.
+    keeps_behaviour: tuple[str, ...] = ()
 
     def message(self, signoff: str, size: str = "") -> str:
         """The commit message: subject, body, the size line ``make_patches`` measured, sign-off."""

@@ -513,6 +513,10 @@ pass after it, on nemo_toolkit 3.0.0 and 2.7.3.
             _nemo_log_rank,
             tests=("tests/core/test_exp_manager.py",),
             race_tests=("tests/core/test_exp_manager.py::TestExpManager::test_per_rank_log_file_under_srun",),
+            # LOCAL_RANK, where a launcher exports it, still names the file (as before).
+            keeps_behaviour=(
+                "tests/core/test_exp_manager.py::TestExpManager::test_per_rank_log_file_keeps_local_rank_env",
+            ),
         ),
         UpstreamPatch(
             "exp-manager-ordered-check-resume",
@@ -522,6 +526,16 @@ pass after it, on nemo_toolkit 3.0.0 and 2.7.3.
             tests=("tests/core/test_exp_manager.py", "tests/core/test_exp_manager_resume_race.py"),
             race_tests=(
                 "tests/core/test_exp_manager_resume_race.py::test_check_resume_moves_old_files_before_other_ranks_continue",
+            ),
+            # Where the ranks cannot meet (rank 0 never comes, a node-local folder, rank 0 went on without this
+            # rank), a rank carries on after seconds_to_sleep, as before this change.
+            keeps_behaviour=tuple(
+                f"tests/core/test_exp_manager.py::TestExpManager::{name}"
+                for name in (
+                    "test_resume_order_stale_marker_does_not_release",
+                    "test_resume_order_two_ranks_not_sharing_the_folder",
+                    "test_resume_order_rank_zero_went_on_without_rank",
+                )
             ),
         ),
         UpstreamPatch(
@@ -533,6 +547,8 @@ pass after it, on nemo_toolkit 3.0.0 and 2.7.3.
             race_tests=(
                 "tests/core/test_exp_manager.py::TestExpManager::test_log_dir_unversioned_rank_takes_rank_zero_version",
             ),
+            # A log_dir of another job in the same folder is not taken (each rank keeps its own, as before).
+            keeps_behaviour=("tests/core/test_exp_manager.py::TestExpManager::test_log_dir_not_from_another_job",),
             requires=("exp-manager-ordered-check-resume",),
         ),
     ),

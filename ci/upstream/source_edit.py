@@ -34,8 +34,9 @@ def overlay_file(module: str) -> Path:
 def _defined_names(node: ast.stmt) -> set[str]:
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
         return {node.name}
-    if isinstance(node, ast.Assign):
-        return {t.id for t in node.targets if isinstance(t, ast.Name)}
+    if isinstance(node, ast.Assign):  # ``A = ...`` and ``A, B = ...``
+        targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        return {t.id for t in targets if isinstance(t, ast.Name)}
     if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
         return {node.target.id}
     return set()

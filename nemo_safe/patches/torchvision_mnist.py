@@ -8,11 +8,12 @@ truncated one left by a killed process crashes every later load. EMNIST even
 
 Here ``download`` is decorated as the upstream pull request decorates it
 (:mod:`nemo_safe.patches.torchvision_mnist_upstream`: ``_download_once``, the same
-code), with the overlay's ``_download_lock``: :class:`~nemo_safe.single_flight.SingleFlight`
-in ``root/<Class>/``. One process downloads and extracts (whichever gets there
-first: no head start for rank 0), the others wait and load. ``_check_exists`` also runs upstream's
-``_is_complete_idx`` on each raw file (its size against its IDX header), so an
-invalid raw file is rebuilt by ``download=True`` instead of crashing at load.
+code) with upstream's ``_DownloadLock`` (:mod:`nemo_safe.download_lock`) in the form of its
+overlay subclass :class:`~nemo_safe.single_flight.SingleFlight`, in ``root/<Class>/``. One
+process downloads and extracts (whichever gets there first: no head start for rank 0), the
+others wait and load. ``_check_exists`` also runs :func:`_is_complete_idx` on each raw
+file (its size against its IDX header), so an invalid raw file is rebuilt by
+``download=True`` instead of crashing at load.
 Whether every rank builds the dataset, whether the root is shared or node-local,
 and whether any rank is known at all does not matter for correctness.
 """
@@ -22,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nemo_safe.errors import LeaderDeposed
 from nemo_safe.patches import torchvision_mnist_upstream
@@ -34,14 +36,18 @@ from nemo_safe.patching import Replacements
 from nemo_safe.single_flight import SingleFlight, lock_folder_usable
 from nemo_safe.version_gate import Fact, SourceGate, defines_function, init_downloads_then_checks
 
+if TYPE_CHECKING:  # found in torchvision.datasets.mnist, where _is_complete_idx runs
+    import torch
+    from torchvision.datasets.mnist import SN3_PASCALVINCENT_TYPEMAP, get_int
+
 log = logging.getLogger(__name__)
 
 MODULE = "torchvision.datasets.mnist"
 #: Classes whose own ``download`` / ``_check_exists`` are replaced; FashionMNIST and KMNIST inherit MNIST's.
 CLASSES = ("MNIST", "EMNIST", "QMNIST")
 METHODS = ("download", "_check_exists")
-#: The upstream functions the overlay runs (from :mod:`nemo_safe.patches.torchvision_mnist_upstream`).
-SHARED = ("_download_once", "_is_complete_idx")
+#: The upstream function the overlay runs (from :mod:`nemo_safe.patches.torchvision_mnist_upstream`).
+SHARED = ("_download_once",)
 
 KNOWN_MNIST = {
     "9246d36e12ff12a6e2b2cc754fd713987e934fe95a9a3d0b57fb9cbb4afb9d0c": "torchvision 0.29.1",
@@ -71,7 +77,7 @@ def _raw_file_names(module: ModuleType) -> bool:
 
 
 def _idx_reader(module: ModuleType) -> bool:
-    """What upstream's ``_is_complete_idx`` calls in this module."""
+    """What :func:`_is_complete_idx` calls in this module."""
     typemap = getattr(module, "SN3_PASCALVINCENT_TYPEMAP", None)
     return isinstance(typemap, dict) and callable(getattr(module, "get_int", None)) and hasattr(module, "torch")
 
@@ -118,16 +124,40 @@ def raw_files(dataset: Any) -> list[str]:
 
 
 def shared_functions(mnist: ModuleType) -> dict[str, Callable[..., Any]]:
-    """The upstream functions of :data:`SHARED`, running in ``mnist`` with the overlay's ``_download_lock``."""
-    return run_in(torchvision_mnist_upstream, mnist, SHARED, {"_download_lock": download_lock})
+    """The upstream functions of :data:`SHARED`, running in ``mnist`` (their ``_DownloadLock`` is the overlay's),
+    and :func:`_is_complete_idx`, which reads the IDX header with ``mnist``'s own helpers."""
+    shared = run_in(torchvision_mnist_upstream, mnist, SHARED, {"_DownloadLock": download_lock})
+    return {**shared, **run_in(sys.modules[__name__], mnist, ("_is_complete_idx",), {})}
 
 
-@contextlib.contextmanager
-def download_lock(folder: str) -> Iterator[None]:
-    """Upstream's ``_download_lock``, as :meth:`SingleFlight.hold <nemo_safe.single_flight.SingleFlight.hold>`
-    in ``folder``: the block runs in the process that leads (the first to get there); the others return once the
-    dataset's ``_check_exists()`` holds (the block then skips the download) or raise the leader's error
-    (:class:`~nemo_safe.errors.LeaderFailed`). The dataset is the one whose ``download()`` runs in this thread."""
+def _is_complete_idx(path: str) -> bool:
+    """Whether the raw file's size matches its IDX header, so that download=True replaces a raw file that an
+    interrupted download of an earlier run cut short (run with ``torchvision.datasets.mnist``'s globals:
+    ``get_int``, ``SN3_PASCALVINCENT_TYPEMAP``, ``torch``). Not in the upstream pull request: with its atomic
+    files, torchvision no longer writes a truncated raw file."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(4)
+            dims = [get_int(f.read(4)) for _ in range(header[3])]
+            size = os.fstat(f.fileno()).st_size
+    except (OSError, IndexError, ValueError):
+        return False
+    dtype = SN3_PASCALVINCENT_TYPEMAP.get(header[2])
+    return dtype is not None and size == 4 + 4 * len(dims) + torch.Size(dims).numel() * dtype.itemsize
+
+
+class _AsUpstream:
+    """Where no lock can live (a read-only root, a file where the lock folder goes): the block runs, as upstream."""
+
+    @contextlib.contextmanager
+    def hold(self, done: Callable[[], bool]) -> Iterator[bool]:
+        yield True
+
+
+def download_lock(folder: str) -> SingleFlight | _AsUpstream:
+    """Upstream's ``_DownloadLock(folder)``: a :class:`SingleFlight` (its subclass) named after the dataset whose
+    ``download()`` runs in this thread; the block runs in the process that leads, the others return once the
+    dataset's ``_check_exists()`` holds or raise the leader's error (:class:`~nemo_safe.errors.LeaderFailed`)."""
     dataset = _downloading.dataset
     folder = os.path.abspath(folder)
     try:
@@ -135,11 +165,8 @@ def download_lock(folder: str) -> Iterator[None]:
     except OSError:
         pass
     if not lock_folder_usable(folder):
-        yield  # a read-only root, a file where the lock folder goes: as upstream (and its own error)
-        return
-    what = f"{type(dataset).__name__} download into {folder}"
-    with SingleFlight(folder, flight_name(dataset), what=what).hold(dataset._check_exists):
-        yield
+        return _AsUpstream()  # and upstream's own error where it cannot write either
+    return SingleFlight(folder, flight_name(dataset), what=f"{type(dataset).__name__} download into {folder}")
 
 
 def flight_name(dataset: Any) -> str:
@@ -185,8 +212,8 @@ def validating_check_exists(
 
 def single_flight_download(original: Callable[[Any], None], once: Callable[..., Any]) -> Callable[[Any], None]:
     """``download`` as upstream's ``@_download_once`` decorates it (``once``, with the overlay's
-    :func:`download_lock`); a leader taken over while stalled waits for the new one and returns once
-    the data is complete (or leads again), as :meth:`SingleFlight.run` does."""
+    :func:`download_lock` as its ``_DownloadLock``); a leader taken over while stalled waits for the new one
+    and returns once the data is complete (or leads again), as :meth:`SingleFlight.run` does."""
     decorated = once(original)
 
     def download(self: Any) -> None:

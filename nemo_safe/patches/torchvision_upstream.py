@@ -2,9 +2,8 @@
 """What the upstream pull requests put into ``torchvision/datasets/utils.py``, verbatim.
 
 ``ci/make_patches.py`` copies these definitions by name into torchvision 0.29.1's
-``utils.py``: the atomic publication (patch 0001 of ``patches/torchvision/``) and
-``_download_lock`` (patch 0002; the overlay runs :class:`~nemo_safe.single_flight.SingleFlight`
-in its place, see :mod:`nemo_safe.patches.torchvision_mnist`). The overlay
+``utils.py``: the atomic publication (patch 0001 of ``patches/torchvision/``; patch 0002's
+lock is :mod:`nemo_safe.download_lock`). The overlay
 (:mod:`nemo_safe.patches.torchvision_downloads`) runs the same ``_urlretrieve``,
 ``_decompress`` and ``_atomic_extractor`` with ``torchvision.datasets.utils``'s globals,
 as they run there upstream, except that the helpers they call by name, ``_atomic_path``,
@@ -22,7 +21,6 @@ import functools
 import os
 import pathlib
 import shutil
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -135,78 +133,3 @@ def _atomic_extractor(extractor: Callable[..., None]) -> Callable[..., None]:
             shutil.rmtree(staging, ignore_errors=True)
 
     return extract
-
-
-#: How long a process waits for another process's download into the same folder before it gives up (seconds).
-_DOWNLOAD_LOCK_TIMEOUT = 30 * 60
-
-
-def _read_lock(lock: str) -> str:
-    try:
-        with open(lock) as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return ""
-
-
-def _remove_lock(lock: str, content: str) -> None:
-    # Only while it still holds ``content``: another process may have taken it over since.
-    if _read_lock(lock) == content:
-        with contextlib.suppress(OSError):  # removed by another process; on Windows, open in one
-            os.remove(lock)
-
-
-def _folder_state(folder: str) -> list[tuple[str, int]]:
-    # The names and sizes of the files under ``folder``: a download in progress grows its temporary file.
-    state = []
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):  # renamed or removed while we looked
-                state.append((os.path.join(root, name), os.path.getsize(os.path.join(root, name))))
-    return sorted(state)
-
-
-@contextlib.contextmanager
-def _download_lock(folder: str, stale: float = 60.0) -> Iterator[None]:
-    """Run the block holding the download lock of ``folder``: processes downloading into it at once take turns.
-
-    The processes that saw a holder fail raise its error instead of retrying in turn. A lock whose holder was
-    killed is taken over once nothing changed under ``folder`` for ``stale`` seconds.
-    """
-    os.makedirs(folder, exist_ok=True)
-    lock, token = os.path.join(folder, ".download.lock"), os.urandom(8).hex() + "\n"
-    seen, changed, delay = None, time.monotonic(), 0.01
-    deadline = changed + _DOWNLOAD_LOCK_TIMEOUT
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            break
-        except FileExistsError:
-            content = _read_lock(lock)
-        holder, _, error = content.partition("\n")
-        if error and seen is not None and seen[0] == holder + "\n":
-            raise RuntimeError(f"The process downloading into {folder} failed: {error}")
-        state = (content, _folder_state(folder))
-        if error or (state == seen and time.monotonic() - changed > stale):
-            _remove_lock(lock, content)  # an earlier run's failure, or a holder that was killed: take over
-            continue
-        if state != seen:
-            seen, changed = state, time.monotonic()
-            deadline = changed + _DOWNLOAD_LOCK_TIMEOUT
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"No progress downloading into {folder} for {_DOWNLOAD_LOCK_TIMEOUT} s; is {lock} stale?"
-            )
-        time.sleep(delay)
-        delay = min(2 * delay, 1.0)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(token)
-    try:
-        yield
-    except Exception as e:
-        if _read_lock(lock) == token:  # tell the processes waiting for this lock why it failed
-            with open(lock, "a") as fh:
-                fh.write(f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        _remove_lock(lock, token)  # unless it now records a failure, or another process took it over

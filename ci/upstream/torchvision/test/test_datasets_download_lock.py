@@ -1,18 +1,18 @@
-"""Processes that download a dataset into the same folder take turns (``utils._download_lock``, MNIST family).
+"""Processes that download a dataset into the same folder take turns (``utils._DownloadLock``, MNIST family).
 
-One process, no network: the other process is played by the test, which writes the lock file itself (its token
-line, later an error line) and the files a download would leave; ``download_and_extract_archive`` is mocked.
+One process, no network, no real waiting: the other process is played by the test, which writes its lock file
+(``.download.lock.<generation>``) and the files its download leaves, and time is a fake clock that the waiting
+process's sleeps advance (``utils.time``); ``download_and_extract_archive`` is mocked.
 """
 
+import contextlib
+import json
 import os
-import threading
-import time
-from unittest import mock
+import types
 
 import pytest
 from torchvision.datasets import mnist, utils
 
-LOCK = ".download.lock"
 N = 3  # images per split
 
 
@@ -49,169 +49,166 @@ DATASETS = {
 }
 
 
-class _Background(threading.Thread):
-    """Runs ``target`` in a thread, as the process that waits for the lock; keeps its result or error."""
-
-    def __init__(self, target):
-        super().__init__(daemon=True)
-        self._target_fn, self.result, self.error, self.finished_at = target, None, None, None
-
-    def run(self):
-        try:
-            self.result = self._target_fn()
-        except Exception as e:
-            self.error = e
-        self.finished_at = time.monotonic()
-
-    def outcome(self, timeout=10):
-        self.join(timeout)
-        assert not self.is_alive(), f"still waiting after {timeout} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
+def _write_lock(folder, generation, state, beat=0, **extra):
+    with open(os.path.join(folder, f".download.lock.{generation}"), "w") as f:
+        json.dump({"state": state, "beat": beat, "token": "other", **extra}, f)
 
 
-def _entering(folder, entered, **kwargs):
-    def take():
-        with utils._download_lock(str(folder), **kwargs):
-            entered.set()
+class _OtherProcess:
+    """The process holding the lock of ``folder``, played on the fake clock: each sleep of the waiting process
+    advances the clock and calls :meth:`tick`, which beats (``beating``) and ends at ``finish_at``."""
 
-    return _Background(take)
+    def __init__(self, folder, beating=True, finish_at=None, finish=None):
+        self.folder, self.beating, self.finish_at, self.finish = str(folder), beating, finish_at, finish
+        self.now, self.beat = 1000.0, 0
+        os.makedirs(self.folder, exist_ok=True)
+        self.write("running")
 
+    def write(self, state, **extra):
+        _write_lock(self.folder, 0, state, self.beat, **extra)
 
-def test_lock_held_by_another_process_is_waited_for(tmp_path):
-    lock = tmp_path / LOCK
-    lock.write_text("another-process\n")
-    entered = threading.Event()
-    waiter = _entering(tmp_path, entered)
-    waiter.start()
-    assert not entered.wait(1.0), "entered while another process holds the lock"
-    lock.unlink()
-    waiter.outcome()
-    assert entered.is_set()
-    assert not lock.exists(), "the holder removes its lock"
+    def monotonic(self):
+        return self.now
 
+    def sleep(self, seconds):
+        self.now += seconds
+        if self.finish_at is not None and self.now >= self.finish_at:
+            self.finish_at = None
+            self.finish(self)
+        elif self.beating:
+            self.beat += 1
+            self.write("running")
 
-def test_lock_file_holds_a_token_while_held(tmp_path):
-    with utils._download_lock(str(tmp_path / "new")):
-        token = (tmp_path / "new" / LOCK).read_text()
-        assert len(token) > 8 and token.endswith("\n")
-    assert os.listdir(tmp_path / "new") == []
-
-
-def test_abandoned_lock_is_taken_over(tmp_path):
-    (tmp_path / LOCK).write_text("killed-process\n")  # and nothing changes in the folder
-    entered = threading.Event()
-    _entering(tmp_path, entered, stale=0.5).start()
-    assert entered.wait(10), "an abandoned lock was not taken over"
-    time.sleep(0.1)
-    assert not (tmp_path / LOCK).exists()
+    def install(self, mocker):
+        clock = types.SimpleNamespace(monotonic=self.monotonic, sleep=self.sleep)
+        mocker.patch.object(utils, "time", clock, create=True)
+        return self
 
 
-def test_download_in_progress_keeps_its_lock(tmp_path):
-    (tmp_path / LOCK).write_text("downloading-process\n")
-    partial = tmp_path / "raw" / ".train-images-idx3-ubyte.gz.123.abcd.partial"
-    partial.parent.mkdir()
-    entered = threading.Event()
-    waiter = _entering(tmp_path, entered, stale=0.5)
-    waiter.start()
-    with open(partial, "wb") as f:
-        for _ in range(20):  # 2 s of a growing download, far longer than ``stale``
-            f.write(b"x" * 1000)
-            f.flush()
-            assert not entered.wait(0.1), "took over the lock of a download in progress"
-    stopped = time.monotonic()
-    waiter.outcome()  # the download stopped growing: its process is taken for dead
-    assert waiter.finished_at - stopped >= 0.5
+def _lock_files(folder):
+    return sorted(name for name in os.listdir(folder) if name.startswith(".download.lock"))
 
 
-def test_holder_failure_reaches_the_processes_waiting_for_it(tmp_path):
-    lock = tmp_path / LOCK
-    lock.write_text("holder\n")
-    waiter = _entering(tmp_path, threading.Event())
-    waiter.start()
-    time.sleep(0.5)
-    with open(lock, "a") as f:
-        f.write("RuntimeError: Error downloading train-images-idx3-ubyte.gz")
-    with pytest.raises(RuntimeError, match="failed: RuntimeError: Error downloading train-images-idx3-ubyte.gz"):
-        waiter.outcome()
+def test_holder_writes_its_lock_and_removes_it_when_done(tmpdir):
+    lock = utils._DownloadLock(str(tmpdir / "new"))
+    with lock.hold(lambda: False) as holding:
+        assert holding
+        with open(tmpdir / "new" / ".download.lock.0") as f:
+            assert json.load(f)["state"] == "running"
+    assert _lock_files(tmpdir / "new") == []
 
 
-def test_failure_is_recorded_but_does_not_fail_later_attempts(tmp_path):
-    with pytest.raises(ValueError, match="boom"):
-        with utils._download_lock(str(tmp_path)):
-            raise ValueError("boom")
-    assert (tmp_path / LOCK).read_text().endswith("\nValueError: boom")
-    with utils._download_lock(str(tmp_path)):  # did not see that holder: tries again, does not raise
-        pass
-    assert not (tmp_path / LOCK).exists()
+def test_waiter_returns_once_the_holder_is_done(tmpdir, mocker):
+    done = []
+
+    def finish(other):
+        done.append(True)
+        os.remove(os.path.join(other.folder, ".download.lock.0"))
+
+    other = _OtherProcess(tmpdir, finish_at=1100.0, finish=finish).install(mocker)
+    with utils._DownloadLock(str(tmpdir)).hold(lambda: bool(done)) as holding:
+        assert not holding
+    assert other.now >= 1100.0  # it waited for the holder, which beat all along
 
 
-def test_waiting_is_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(utils, "_DOWNLOAD_LOCK_TIMEOUT", 0.5)
-    (tmp_path / LOCK).write_text("hung-process\n")
-    with pytest.raises(RuntimeError, match=f"No progress downloading into .* for 0.5 s; is .*{LOCK}"):
-        with utils._download_lock(str(tmp_path)):
+def test_holder_whose_beat_stopped_is_taken_over(tmpdir, mocker):
+    other = _OtherProcess(tmpdir, beating=False).install(mocker)  # killed: its lock stays as it was
+    with utils._DownloadLock(str(tmpdir)).hold(lambda: False) as holding:
+        assert holding
+        assert _lock_files(tmpdir) == [".download.lock.0", ".download.lock.1"]
+    assert utils._LOCK_STALE <= other.now - 1000.0 < utils._LOCK_STALE + 2
+    assert _lock_files(tmpdir) == []
+
+
+def test_beating_holder_is_not_taken_over(tmpdir, mocker):
+    other = _OtherProcess(tmpdir, finish_at=1000.0 + 10 * utils._LOCK_STALE, finish=lambda o: o.write("abandoned"))
+    other.install(mocker)
+    with utils._DownloadLock(str(tmpdir)).hold(lambda: False) as holding:
+        assert holding  # only once it was abandoned
+        assert other.now >= 1000.0 + 10 * utils._LOCK_STALE
+
+
+def test_holder_failure_reaches_the_processes_that_saw_it_running(tmpdir, mocker):
+    def fail(other):
+        other.write("failed", error_type="RuntimeError", error="Error downloading train-images-idx3-ubyte.gz")
+
+    _OtherProcess(tmpdir, finish_at=1005.0, finish=fail).install(mocker)
+    match = "failed: RuntimeError: Error downloading train-images-idx3-ubyte.gz"
+    with pytest.raises(RuntimeError, match=match):
+        with utils._DownloadLock(str(tmpdir)).hold(lambda: False):
             pass
 
 
-def test_waiting_is_bounded_by_silence_not_by_a_slow_download(tmp_path, monkeypatch):
-    monkeypatch.setattr(utils, "_DOWNLOAD_LOCK_TIMEOUT", 1.0)
-    (tmp_path / LOCK).write_text("slow-process\n")
+def test_an_earlier_failure_does_not_fail_a_later_attempt(tmpdir):
+    with pytest.raises(ValueError, match="boom"):
+        with utils._DownloadLock(str(tmpdir)).hold(lambda: False):
+            raise ValueError("boom")
+    with open(tmpdir / ".download.lock.0") as f:
+        record = json.load(f)
+    assert (record["state"], record["error_type"], record["error"]) == ("failed", "ValueError", "boom")
+    with utils._DownloadLock(str(tmpdir)).hold(lambda: False) as holding:  # did not see that holder: tries again
+        assert holding
+    assert _lock_files(tmpdir) == []
 
-    def slow_holder():  # downloads for 2 s, growing its file all the while, then releases the lock
-        for size in range(1, 9):
-            (tmp_path / "part").write_bytes(b"x" * size)
-            time.sleep(0.25)
-        (tmp_path / LOCK).unlink()
 
-    holder = threading.Thread(target=slow_holder)
-    holder.start()
-    with utils._download_lock(str(tmp_path)):
-        assert (tmp_path / "part").read_bytes() == b"x" * 8
-    holder.join()
+def test_interrupted_holder_is_taken_over_at_once(tmpdir, mocker):
+    with pytest.raises(KeyboardInterrupt):
+        with utils._DownloadLock(str(tmpdir)).hold(lambda: False):
+            raise KeyboardInterrupt
+    other = _OtherProcess(tmpdir / "unused", beating=False).install(mocker)
+    with utils._DownloadLock(str(tmpdir)).hold(lambda: False) as holding:
+        assert holding
+    assert other.now == 1000.0  # no waiting at all
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_holder_that_was_taken_over_publishes_nothing(tmpdir, fails):
+    with contextlib.suppress(ValueError):
+        with utils._DownloadLock(str(tmpdir)).hold(lambda: False):
+            _write_lock(tmpdir, 1, "running")  # another process took over while this one stalled
+            if fails:
+                raise ValueError("too late")
+    with open(tmpdir / ".download.lock.0") as f:
+        assert json.load(f)["state"] == "running"  # neither "failed" written nor the locks removed
+    assert _lock_files(tmpdir) == [".download.lock.0", ".download.lock.1"]
+
+
+def test_waiting_ends_after_the_timeout_without_any_sign_of_progress(tmpdir, mocker):
+    other = _OtherProcess(tmpdir, beating=False).install(mocker)
+    mocker.patch.object(utils._DownloadLock, "_read", side_effect=OSError("stale file handle"))
+    with pytest.raises(RuntimeError, match="No progress downloading into .* for 1800 s"):
+        with utils._DownloadLock(str(tmpdir)).hold(lambda: False):
+            pass
+    assert utils._LOCK_TIMEOUT <= other.now - 1000.0 < utils._LOCK_TIMEOUT + 2
 
 
 @pytest.mark.parametrize("name", sorted(DATASETS))
-def test_dataset_waits_for_another_process_downloading_it(tmp_path, name):
+def test_dataset_waits_for_another_process_downloading_it(tmpdir, mocker, name):
     cls, kwargs, raw = DATASETS[name]
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / LOCK).write_text("another-process\n")
-    with mock.patch.object(mnist, "download_and_extract_archive") as download:
-        loading = _Background(lambda: cls(str(tmp_path), download=True, **kwargs))
-        loading.start()
-        time.sleep(1.0)
-        assert download.call_count == 0 and loading.is_alive(), "did not wait for the process downloading it"
-        (folder / "raw").mkdir()
-        for file, content in raw.items():  # what the other process's download leaves
-            (folder / "raw" / file).write_bytes(content)
-        (folder / LOCK).unlink()
-        assert len(loading.outcome()) == N
-    assert download.call_count == 0
+    folder = tmpdir / name
+
+    def finish(other):  # what the other process's download leaves
+        os.makedirs(folder / "raw")
+        for file, content in raw.items():
+            with open(folder / "raw" / file, "wb") as f:
+                f.write(content)
+        os.remove(folder / ".download.lock.0")
+
+    other = _OtherProcess(folder, finish_at=1030.0, finish=finish).install(mocker)
+    download = mocker.patch.object(mnist, "download_and_extract_archive")
+    try:
+        loaded = len(cls(str(tmpdir), download=True, **kwargs))
+    except (RuntimeError, OSError) as e:  # its own download was the mock: "Dataset not found", EMNIST's raw/gzip
+        loaded = e
+    assert download.call_count == 0, "downloaded while another process was downloading it"
+    assert loaded == N and other.now >= 1030.0
 
 
-def test_truncated_raw_file_is_downloaded_again(tmp_path):
-    raw = tmp_path / "MNIST" / "raw"
-    raw.mkdir(parents=True)
+def test_complete_dataset_takes_no_lock(tmpdir, mocker):
+    os.makedirs(tmpdir / "MNIST" / "raw")
     for file, content in MNIST_RAW.items():
-        (raw / file).write_bytes(content)
-    (raw / "train-images-idx3-ubyte").write_bytes(IMAGES[:1000])  # left by an interrupted download
-
-    def download_and_extract_archive(url, download_root, filename, md5):
-        file = filename[: -len(".gz")]
-        with open(os.path.join(download_root, file), "wb") as f:
-            f.write(MNIST_RAW[file])
-
-    with mock.patch.object(mnist, "download_and_extract_archive", side_effect=download_and_extract_archive):
-        assert len(mnist.MNIST(str(tmp_path), download=True)) == N
-    assert not (tmp_path / "MNIST" / LOCK).exists()
-
-
-def test_complete_dataset_takes_no_lock(tmp_path):
-    (tmp_path / "MNIST" / "raw").mkdir(parents=True)
-    for file, content in MNIST_RAW.items():
-        (tmp_path / "MNIST" / "raw" / file).write_bytes(content)
-    with mock.patch.object(utils, "_download_lock") as lock, mock.patch.object(mnist, "_download_lock", lock):
-        assert len(mnist.MNIST(str(tmp_path), download=True)) == N
+        with open(tmpdir / "MNIST" / "raw" / file, "wb") as f:
+            f.write(content)
+    lock = mocker.patch.object(mnist, "_DownloadLock")
+    assert len(mnist.MNIST(str(tmpdir), download=True)) == N
     assert lock.call_count == 0

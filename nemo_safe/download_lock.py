@@ -1,0 +1,166 @@
+# ruff: noqa: UP006, UP007, UP035  (torchvision's typing idiom: Optional, typing.Callable)
+"""The lock every single flight runs on, in the form torchvision's ``datasets/utils.py`` gets it.
+
+``ci/make_patches.py`` copies :class:`_DownloadLock` and its constants by name into
+torchvision's ``utils.py`` (patch 0002 of ``patches/torchvision/``), where the MNIST
+family's ``download()`` holds it. The overlay runs the same class: every
+:class:`~nemo_safe.single_flight.SingleFlight` (the MNIST family, the other dataset
+classes, torch.hub) is a subclass of it that keeps its protocol (waiting, leading, the
+heartbeat, takeover, failure and outcome) and adds what a package can do and a library
+function should not: election by ``link(2)``, locks of other writers ignored, a stuck
+job told apart from a slow one by its thread's progress, SIGTERM, logging, nemo_safe's
+errors. Written in torchvision's idiom (``Optional``, ``RuntimeError``, no logging).
+"""
+
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+#: A holder rewrites its lock every _LOCK_BEAT s; a waiter that sees no new beat for _LOCK_STALE s takes over (the
+#: holder was killed or stopped, or its host is gone); it gives up after _LOCK_TIMEOUT s without any progress.
+_LOCK_BEAT, _LOCK_STALE, _LOCK_TIMEOUT = 1.0, 15.0, 30 * 60.0
+
+
+class _DownloadLock:
+    """Processes that download into the same folder at once take turns.
+
+    Creating ``<folder>/<name>.<generation>`` (``O_EXCL``) makes a process the holder: it rewrites the file with a
+    growing beat, then removes it (done) or writes its outcome (failed, abandoned), while no newer generation exists.
+    A waiter returns once ``done()`` holds, raises the error of a holder it saw running, or takes over a holder
+    that ended or stopped beating by creating the next generation.
+    """
+
+    stale_after, timeout, poll_max = _LOCK_STALE, _LOCK_TIMEOUT, 1.0
+
+    def __init__(self, folder: str, name: str = ".download.lock") -> None:
+        self.folder, self.name, self.token = folder, name, os.urandom(8).hex()
+        self._stop, self._beating = threading.Event(), threading.Thread()
+
+    def _path(self, generation: int) -> str:
+        return os.path.join(self.folder, f"{self.name}.{generation}")
+
+    def _generations(self) -> list[int]:
+        names = os.listdir(self.folder) if os.path.isdir(self.folder) else []
+        return sorted(int(n.rpartition(".")[2]) for n in names if re.fullmatch(re.escape(self.name) + r"\.\d+", n))
+
+    def _read(self, generation: int) -> Optional[dict[str, Any]]:
+        try:
+            with open(self._path(generation), "rb") as f:
+                info = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # its creator has not written it yet
+            info = None
+        return info if isinstance(info, dict) else {"state": "unreadable"}
+
+    def _create(self, generation: int) -> bool:
+        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.close(os.open(self._path(generation), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return False
+        with contextlib.suppress(OSError):  # else its first beat writes it
+            self._write(generation, "running", 0)
+        return True
+
+    def _write(self, generation: int, state: str, beat: int, **extra: Any) -> None:
+        with open(f"{self._path(generation)}.{self.token}", "w") as f:
+            json.dump({"state": state, "beat": beat, "token": self.token, **extra}, f)
+        os.replace(f.name, self._path(generation))
+
+    def _holds(self, generation: int) -> bool:
+        info = self._read(generation)
+        return bool(info) and info.get("token") == self.token and max(self._generations(), default=-1) == generation
+
+    def _takes_over(self, info: dict[str, Any], silent: float, overdue: bool) -> bool:
+        return silent >= self.stale_after
+
+    def _pause(self, delay: float, info: dict[str, Any], deadline: float) -> float:
+        time.sleep(delay)
+        return min(2 * delay, self.poll_max)
+
+    def _error(self, info: dict[str, Any]) -> Exception:
+        if info.get("state") == "failed":
+            error = f"{info.get('error_type')}: {info.get('error')}"
+            return RuntimeError(f"The process downloading into {self.folder} failed: {error}")
+        return RuntimeError(f"No progress downloading into {self.folder} for {self.timeout:.0f} s")
+
+    def _beat(self, generation: int) -> None:
+        beat = 0
+        while not self._stop.wait(_LOCK_BEAT):
+            beat += 1
+            with contextlib.suppress(OSError):  # a missed beat; the next one may get through
+                if not self._holds(generation) or self._stop.is_set():
+                    return
+                self._write(generation, "running", beat)
+
+    def _finish(self, generation: int, state: str, **extra: Any) -> bool:
+        # Only while this process holds the lock (whether it did); if this fails, the others see the beat stop.
+        self._stop.set()
+        self._beating.join(2 * _LOCK_BEAT)
+        if not self._holds(generation):
+            return False  # taken over while stalled: the new holder's outcome counts
+        with contextlib.suppress(OSError):
+            if state != "done":
+                self._write(generation, state, -1, **extra)
+            for old in self._generations() if state == "done" else []:
+                if old <= generation:  # the oldest first: the newest says "running" until the last
+                    os.remove(self._path(old))
+        return True
+
+    def _wait(self, done: Callable[[], bool]) -> Optional[int]:
+        # None once done() holds, else the generation this process created and now holds.
+        saw_running, seen_beat, seen_progress, delay = set(), None, None, 0.01
+        looked = changed = time.monotonic()
+        deadline = looked + self.timeout
+        while not done():
+            try:
+                current = max(self._generations(), default=-1)
+                info = self._read(current) if current >= 0 else {"state": "done"}
+            except OSError:  # this process's own listing or read failed: no verdict on the holder
+                info = None
+            now = time.monotonic()
+            if info is not None:
+                beat, progress = (current, info.get("beat")), (current, info.get("progress", info.get("beat")))
+                if progress != seen_progress:  # the timeout counts a standstill, not a long download
+                    seen_progress, deadline = progress, now + self.timeout
+                if beat != seen_beat or now - looked > max(self.stale_after / 3, 2 * self.poll_max):
+                    seen_beat, changed = beat, now  # a new beat, or this process's own pause: no silence
+                looked, state = now, info.get("state")
+                if state == "failed" and current in saw_running:
+                    raise self._error(info)
+                saw_running.update([current] if state == "running" else [])
+                if state in ("done", "failed", "abandoned") or self._takes_over(info, now - changed, now > deadline):
+                    if self._create(current + 1):
+                        return current + 1
+                elif now > deadline:
+                    raise self._error(info)
+            elif now > deadline:
+                raise self._error({})
+            delay = self._pause(delay, info or {}, deadline)
+        return None
+
+    @contextlib.contextmanager
+    def hold(self, done: Callable[[], bool]) -> Iterator[bool]:
+        """The block runs in the holder (True); the others get False once ``done()`` holds."""
+        generation = self._wait(done)
+        if generation is None:
+            yield False
+            return
+        self._stop.clear()
+        self._beating = threading.Thread(target=self._beat, args=(generation,), daemon=True)
+        self._beating.start()
+        try:
+            yield True
+        except Exception as e:
+            self._finish(generation, "failed", error_type=type(e).__name__, error=str(e))
+            raise
+        except BaseException:  # interrupted (Ctrl-C): no verdict on the download, the next process takes over
+            self._finish(generation, "abandoned")
+            raise
+        self._finish(generation, "done")
