@@ -222,12 +222,9 @@ class FlightLocks:
             return False
         return isinstance(info, dict) and info.get("nonce") == self.nonce
 
-    def remove_through(self, generation: int) -> None:
-        """After success: this generation's lock and older ones, then the folder if empty."""
+    def remove_folder(self) -> None:
+        """After success (the leader has removed its generations): the lock folder, if nothing is left in it."""
         try:
-            for g in self.generations():
-                if g <= generation:
-                    unlink_if_exists(os.path.join(self.lock_dir, self.lock_name(g)))
             os.rmdir(self.lock_dir)
         except OSError:
             pass  # another job's lock, a process about to lead, or a foreign entry: not ours to remove

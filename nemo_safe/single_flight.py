@@ -263,7 +263,7 @@ class SingleFlight(_DownloadLock):
             log.warning("nemo_safe: %s: taken over while stalled; waiting for the new leader", self.what)
             raise self._deposed_error(generation)
         if held and state == "done":
-            self.locks.remove_through(generation)  # also the lock folder, when nothing else is in it
+            self.locks.remove_folder()  # _DownloadLock removed the generations
         return held
 
     # -- what this class adds to the protocol --------------------------------------------
