@@ -21,19 +21,14 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-#: A holder rewrites its lock every _LOCK_BEAT s; a waiter that sees no new beat for _LOCK_STALE s takes over (the
-#: holder was killed or stopped, or its host is gone); it gives up after _LOCK_TIMEOUT s without any progress.
+#: A holder beats every _LOCK_BEAT s; silent for _LOCK_STALE s it is taken over; _LOCK_TIMEOUT s without progress fail.
 _LOCK_BEAT, _LOCK_STALE, _LOCK_TIMEOUT = 1.0, 15.0, 30 * 60.0
 
 
 class _DownloadLock:
-    """Processes that download into the same folder at once take turns.
-
-    Creating ``<folder>/<name>.<generation>`` (``O_EXCL``) makes a process the holder: it rewrites the file with a
-    growing beat, then removes it (done) or writes its outcome (failed, abandoned), while no newer generation exists.
-    A waiter returns once ``done()`` holds, raises the error of a holder it saw running, or takes over a holder
-    that ended or stopped beating by creating the next generation.
-    """
+    """Processes downloading into one folder take turns: creating ``<folder>/<name>.<n>`` (``O_EXCL``) makes the holder,
+    which beats in it, then removes it (done) or writes its outcome while no newer generation exists. Waiters return
+    once ``done()`` holds, raise the error of a holder seen running, or take over an ended or silent one."""
 
     stale_after, timeout, poll_max = _LOCK_STALE, _LOCK_TIMEOUT, 1.0
 
@@ -51,11 +46,9 @@ class _DownloadLock:
     def _read(self, generation: int) -> Optional[dict[str, Any]]:
         try:
             with open(self._path(generation), "rb") as f:
-                info = json.loads(f.read())
+                info = json.loads(f.read() or b"{}")  # empty until its creator has written it
         except FileNotFoundError:
             return None
-        except ValueError:  # its creator has not written it yet
-            info = None
         return info if isinstance(info, dict) else {"state": "unreadable"}
 
     def _create(self, generation: int) -> bool:
@@ -64,7 +57,7 @@ class _DownloadLock:
             os.close(os.open(self._path(generation), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             return False
-        with contextlib.suppress(OSError):  # else its first beat writes it
+        with contextlib.suppress(OSError):  # else it stays silent and is taken over
             self._write(generation, "running", 0)
         return True
 
@@ -85,10 +78,9 @@ class _DownloadLock:
         return min(2 * delay, self.poll_max)
 
     def _error(self, info: dict[str, Any]) -> Exception:
-        if info.get("state") == "failed":
-            error = f"{info.get('error_type')}: {info.get('error')}"
-            return RuntimeError(f"The process downloading into {self.folder} failed: {error}")
-        return RuntimeError(f"No progress downloading into {self.folder} for {self.timeout:.0f} s")
+        if info.get("state") != "failed":
+            return RuntimeError(f"No progress downloading into {self.folder} for {self.timeout:.0f} s")
+        return RuntimeError(f"Downloading into {self.folder} failed: {info.get('error_type')}: {info.get('error')}")
 
     def _beat(self, generation: int) -> None:
         beat = 0
@@ -100,21 +92,18 @@ class _DownloadLock:
                 self._write(generation, "running", beat)
 
     def _finish(self, generation: int, state: str, **extra: Any) -> bool:
-        # Only while this process holds the lock (whether it did); if this fails, the others see the beat stop.
         self._stop.set()
         self._beating.join(2 * _LOCK_BEAT)
         if not self._holds(generation):
             return False  # taken over while stalled: the new holder's outcome counts
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # if this fails, the others see the beat stop
             if state != "done":
                 self._write(generation, state, -1, **extra)
-            for old in self._generations() if state == "done" else []:
-                if old <= generation:  # the oldest first: the newest says "running" until the last
-                    os.remove(self._path(old))
+            for old in [g for g in self._generations() if g <= generation] if state == "done" else []:
+                os.remove(self._path(old))  # the oldest first: the newest says "running" until the last
         return True
 
-    def _wait(self, done: Callable[[], bool]) -> Optional[int]:
-        # None once done() holds, else the generation this process created and now holds.
+    def _wait(self, done: Callable[[], bool]) -> Optional[int]:  # None once done() holds, else the one created
         saw_running, seen_beat, seen_progress, delay = set(), None, None, 0.01
         looked = changed = time.monotonic()
         deadline = looked + self.timeout

@@ -49,7 +49,8 @@ def _wait_for(path: str, timeout: float = 300.0) -> None:
 
 
 def _deleter(dest: str, after: int) -> dict:
-    """Wait for an extraction folder in ``dest`` holding ``after`` entries, then remove it once."""
+    """Wait for an extraction folder in ``dest`` (the destination's parent) holding ``after`` entries, then
+    remove it once."""
     import shutil
 
     deadline = time.monotonic() + 300

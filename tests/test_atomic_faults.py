@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -338,12 +339,13 @@ def test_live_extraction_in_another_pid_namespace_survives_a_sweep(tmp_path: Pat
     pid = _dead_pid()
     here = _start("extract", small, dest, go=go)
     there = _start("extract", archive, dest, as_pid=pid, unshare=True)
-    temp = _wait_until(lambda: _temps(dest, "big.tar"), "the other namespace's extraction folder")[0]
+    # The staging folder is next to the destination, named after it (never listed among its classes).
+    temp = _wait_until(lambda: _temps(dest.parent, "dest"), "the other namespace's extraction folder")[0]
     assert not pid_alive(pid)
     go.touch()
     _ok(_result(here))
     assert there.poll() is None, "the extraction in the other namespace ended before the sweep: test too fast"
-    assert (dest / temp).is_dir(), f"{temp} of a live extraction was swept"
+    assert (dest.parent / temp).is_dir(), f"{temp} of a live extraction was swept"
     res = _result(there)
     assert f"~{pid}~" in temp, f"{temp} must carry the writer's pid, dead in this namespace, to test the sweep"
     _ok(res)
@@ -358,13 +360,41 @@ def test_extraction_that_lost_files_raises(tmp_path: Path) -> None:
     archive, _ = _big_tar(tmp_path)
     dest = tmp_path / "dest"
     dest.mkdir()
-    deleter = _start("delete-staging", dest, after=2000)
+    deleter = _start("delete-staging", dest.parent, after=2000)  # the staging folder is next to dest
     time.sleep(0.5)  # the deleter is watching (its imports are done long before the extraction folder fills)
     res = _run("extract", archive, dest)
     removed = _ok(_result(deleter))
     assert removed["began"] < res["ended"], (removed, res)  # the removal overlapped the extraction
     assert res["status"] == "error", f"extraction returned normally after {removed['removed']} was removed"
     assert res["oserror"], res  # ours (FileNotFoundError) or tarfile's own, never a normal return
+
+
+def _file_count(folder: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(folder))
+
+
+def test_killed_extraction_adds_no_class_to_the_destination(tmp_path: Path, pid_namespaces) -> None:
+    """An extraction killed halfway in another pid namespace (a container sharing this hostname: its leftover
+    is judged by age, so it stays for a day) leaves its staging folder next to the destination, not inside:
+    once a second extraction completed, ImageFolder finds the archive's classes only, as upstream's does
+    after the same kill. (A staging folder inside the destination would be listed first, as class 0.)"""
+    from torchvision.datasets.folder import find_classes
+
+    archive, _ = _big_tar(tmp_path)
+    classes = {}
+    for label, env in (("nemo_safe", {}), ("upstream", {"NEMO_SAFE_DISABLE": "1"})):
+        dest = tmp_path / label / "train"
+        dest.mkdir(parents=True)
+        killed = _start("extract", archive, dest, as_pid=_dead_pid(), unshare=True, env=env)
+        _wait_until(lambda d=dest: _file_count(d.parent) >= 3000, f"{label}: a tenth of the extraction")
+        # The namespace's first process: killing it kills every process in the namespace.
+        for child in Path(f"/proc/{killed.pid}/task/{killed.pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGKILL)
+        killed.communicate(timeout=HANG_GUARD)
+        assert _file_count(dest.parent) < 30000, f"{label}: the extraction finished before it was killed: test too slow"
+        _ok(_run("extract", archive, dest, env=env))
+        classes[label] = find_classes(str(dest))[0]
+    assert classes["nemo_safe"] == classes["upstream"] == ["big"], classes
 
 
 def test_old_names_and_other_namespaces_are_judged_by_age(tmp_path: Path) -> None:

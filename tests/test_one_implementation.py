@@ -48,7 +48,7 @@ def _added_source(project: str, path: str) -> str:
         (torchvision_mnist_upstream, "_download_once", "torchvision/datasets/mnist.py"),
         *[
             (torchvision_upstream, n, "torchvision/datasets/utils.py")
-            for n in ("_temp_sibling", "_atomic_path", "_urlretrieve", "_publish_tree", "_atomic_extractor")
+            for n in ("_temp_sibling", "_replace", "_atomic_path", "_urlretrieve", "_publish_tree", "_atomic_extractor")
         ],
     ],
 )

@@ -19,7 +19,7 @@ from source_edit import (
 TV_WIDTH = 120  # torchvision's black line length
 #: Patch 1: what nemo_safe/patches/torchvision_upstream.py holds, verbatim, and where it goes in utils.py.
 TV_UPSTREAM = "patches.torchvision_upstream"
-TV_HELPERS_BEFORE_URLRETRIEVE = ("_temp_sibling", "_atomic_path")
+TV_HELPERS_BEFORE_URLRETRIEVE = ("_temp_sibling", "_replace", "_atomic_path")
 TV_HELPERS_BEFORE_EXTRACTORS = ("_publish_tree", "_atomic_extractor")
 #: Patch 2: the lock (utils.py, from download_lock.py: the class every SingleFlight of the overlay is) and what
 #: mnist.py gets (torchvision_mnist_upstream.py).
@@ -51,6 +51,13 @@ def _tv_atomic(tree: Path) -> None:
         replace_once(
             path, f"{indent}_urlretrieve(url, fpath){after}", f"{indent}_urlretrieve(url, fpath, md5=md5){after}"
         )
+    # The md5 is checked once, by _urlretrieve() while the file arrives (before it is published).
+    replace_once(
+        path,
+        "    # check integrity of downloaded file\n    if not check_integrity(fpath, md5):\n",
+        "    # check integrity of downloaded file\n"
+        "    if not check_integrity(fpath, md5 if _is_remote_location_available() else None):\n",
+    )
     replace_once(path, "import bz2\nimport gzip\n", "import bz2\nimport contextlib\nimport functools\nimport gzip\n")
     replace_once(path, "import re\nimport tarfile\n", "import re\nimport shutil\nimport tarfile\n")
     replace_once(path, "from collections.abc import Iterable\n", "from collections.abc import Iterable, Iterator\n")
@@ -107,38 +114,68 @@ Write each of these files under a hidden temporary name in the same
 directory (.<name>.<pid>.<random>.partial, unique per process and call)
 and os.replace() it into place only when it is complete, so a reader sees
 no file or the whole file. The temporary is removed on any error. Tar and
-zip archives are extracted into such a temporary folder inside the
-destination, then each file is moved into place (new directories are
-created with the default mode, not the archive's).
+zip archives are extracted into such a temporary folder next to the
+destination (in its parent), then each file is moved into place (new
+directories are created with the default mode, not the archive's). Where
+a folder cannot be moved from the parent into the destination (a
+read-only parent, another filesystem or mount: tried by renaming the
+empty folder in and back), the folder is made inside the destination.
 
 _urlretrieve() now checks that all Content-Length bytes arrived; a short
 body raises urllib.error.ContentTooShortError, urllib's own error for this
 (a URLError, so download_url()'s https-to-http retry and the mirror loops
 treat it as any connection error). Errors raised while reading the body
-propagate unchanged. download_url() passes its md5 to _urlretrieve(), which
-checks it before publishing: a mismatch raises RuntimeError("File not found
-or corrupted.") as before, but no longer leaves the wrong file behind.
+propagate unchanged. download_url() passes its md5 to _urlretrieve(),
+which computes it over the bytes as they arrive and checks it before
+publishing: a mismatch raises RuntimeError("File not found or
+corrupted.") as before, but no longer leaves the wrong file behind. The
+file is not read back to check it again, so the md5 costs no extra pass
+over the file (download_url() still checks after
+_download_file_from_remote_location()).
 
-No directory is listed and nothing is cleaned up on the download path: a
-process killed mid-download leaves its hidden temporary file (or folder,
-for an extraction) behind, and it is never taken for the dataset file
-(but ImageFolder, which lists every folder, would take a leftover
-extraction folder for a class until it is removed).
-Nothing POSIX-only is used (os.replace, os.makedirs, shutil.rmtree), so
-this works on Windows too.
+Review points, one by one:
+- Leftovers of killed writers: nothing is listed or swept on the download
+  path (whether a writer on another host is alive cannot be told from a
+  file name). A killed download leaves its hidden .partial file next to
+  the final name, never taken for the dataset file (DatasetFolder does
+  not list it: no image suffix). A killed extraction leaves its folder
+  next to the destination, so nothing that lists the destination sees it
+  (ImageFolder would take a folder inside it for a class and shift every
+  label); only the fallback above makes it inside.
+- Atomic per file, not per tree: a process may see some members of an
+  archive published and others not yet. A folder rename cannot merge into
+  an existing destination; datasets check for their whole tree
+  (_check_exists, _check_integrity), and the next commit makes the MNIST
+  family download and extract once.
+- Windows: os.replace() onto a file another process has open raises
+  PermissionError there. Such a file was published complete (by another
+  process writing the same download or archive), so _replace() keeps it;
+  elsewhere the error is raised as before. Nothing POSIX-only is used
+  (os.replace, os.rename, os.makedirs, shutil.rmtree).
+- Not covered: download_file_from_google_drive() (gdown writes its output
+  itself; a follow-up can give it a path from _atomic_path()) and
+  _download_file_from_remote_location() (an internal hook; it never runs
+  where _is_remote_location_available() is False, as in every release).
 
 All in torchvision/datasets/utils.py.
 
-Tested: test/test_datasets_utils_atomic.py, with urllib.request.urlopen
-mocked (no network, one process, under a second): a body shorter than its
-Content-Length, a connection reset mid-body and a wrong md5 must raise
-(ContentTooShortError, ConnectionResetError, RuntimeError) and leave no
-file; while a file is downloaded, decompressed or extracted from a tar or
-zip archive, the final path must never hold a partial file (the fake
-response, the decompressor and the archive copy look at it on every read);
-a truncated archive must leave nothing in the destination; a good download
-and an extraction into an existing folder must leave exactly the expected
-files. Before this change the first eight fail on their assertions.
+Tested: test/test_datasets_utils_atomic.py (tmpdir and mocker, as
+test_datasets_utils.py), with urllib.request.urlopen mocked (no network,
+one process, under five seconds): a body shorter
+than its Content-Length, a connection reset mid-body and a wrong md5 must
+raise (ContentTooShortError, ConnectionResetError, RuntimeError) and
+leave no file; while a file is downloaded, decompressed or extracted from
+a tar or zip archive, the final path must never hold a partial file (the
+fake response, the decompressor and the archive copy look at it on every
+read); a truncated archive must leave nothing in the destination; the
+md5 is computed without reading the file back (calculate_md5 is never
+called); _replace() keeps a complete file it may not replace on Windows
+(os mocked) and raises where there is none. Before this change those
+fail (the first eight on their assertions). Behaviour kept, and checked:
+a good download, an extraction into an existing folder, into the working
+directory, and with the fallback inside the destination (mkdir or rename
+refused) leave exactly the expected files, and an extraction in progress
+shows nothing but members in the destination.
 """,
             _tv_atomic,
             tests=("test/test_datasets_utils_atomic.py",),
@@ -162,6 +199,9 @@ files. Before this change the first eight fail on their assertions.
                     "test_extract_archive_into_existing_destination",
                     "test_extract_archive_without_a_folder_extracts_into_the_working_directory",
                     "test_download_url_with_a_long_file_name",
+                    # Before this change too, an extraction in progress showed only members in the destination.
+                    "test_extraction_in_progress_lists_nothing_else_in_the_destination",
+                    "test_extraction_stages_inside_the_destination_where_next_to_it_fails",
                 )
             ),
         ),

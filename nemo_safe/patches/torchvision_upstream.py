@@ -18,6 +18,7 @@ functions find in ``torchvision.datasets.utils`` are imported for type checkers 
 
 import contextlib
 import functools
+import hashlib
 import os
 import pathlib
 import shutil
@@ -27,26 +28,29 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 if TYPE_CHECKING:  # found in torchvision.datasets.utils, where these functions run
-    from torchvision.datasets.utils import _COMPRESSED_FILE_OPENERS, USER_AGENT, _detect_file_type, check_md5, tqdm
+    from torchvision.datasets.utils import _COMPRESSED_FILE_OPENERS, USER_AGENT, _detect_file_type, tqdm
 
 
 def _temp_sibling(path: Union[str, pathlib.Path]) -> str:
-    # A hidden name next to ``path`` (same directory, so that os.replace() is atomic), unique per process and call.
-    directory, name = os.path.split(os.path.abspath(path))
+    directory, name = os.path.split(os.path.abspath(path))  # the same directory: os.replace() is atomic
     return os.path.join(directory, f".{name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.partial")
+
+
+def _replace(src: str, dst: str) -> None:
+    try:
+        os.replace(src, dst)
+    except PermissionError:  # on Windows, while another process has dst open: the complete file there stays
+        if os.name != "nt" or not os.path.isfile(dst):
+            raise
 
 
 @contextlib.contextmanager
 def _atomic_path(path: Union[str, pathlib.Path]) -> Iterator[str]:
-    """Yield a temporary path to write ``path``'s content to, moved to ``path`` only if the block succeeds.
-
-    Other processes see either no file or the complete one under ``path``, never a partial one. The temporary
-    is removed on any error; a killed process leaves it behind (hidden, next to ``path``).
-    """
+    # A temporary for ``path``'s content, moved to ``path`` if the block succeeds: no process sees a partial file.
     tmp = _temp_sibling(path)
     try:
         yield tmp
-        os.replace(tmp, path)
+        _replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -56,17 +60,19 @@ def _urlretrieve(
     url: str, filename: Union[str, pathlib.Path], chunk_size: int = 1024 * 32, md5: Optional[str] = None
 ) -> None:
     with _atomic_path(filename) as tmp:
+        digest = hashlib.md5(usedforsecurity=False)  # checked as it arrives: the file is read only once
         with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": USER_AGENT})) as response:
             size = response.length
             with open(tmp, "wb") as fh, tqdm(total=size, unit="B", unit_scale=True) as pbar:
                 while chunk := response.read(chunk_size):
                     fh.write(chunk)
+                    digest.update(chunk)
                     pbar.update(len(chunk))
                 received = fh.tell()
         if size is not None and received < size:
             message = f"retrieval incomplete: got only {received} out of {size} bytes"
             raise urllib.error.ContentTooShortError(message, None)
-        if md5 is not None and not check_md5(tmp, md5):
+        if md5 is not None and digest.hexdigest() != md5:
             raise RuntimeError("File not found or corrupted.")
 
 
@@ -107,25 +113,31 @@ def _decompress(
 
 
 def _publish_tree(staging: str, to_path: Union[str, pathlib.Path]) -> None:
-    # Move each extracted file to the same place under to_path with os.replace(), creating directories as needed.
-    for root, dirs, files in os.walk(staging):
+    for root, dirs, files in os.walk(staging):  # each file to the same place under to_path, by os.replace()
         target = os.path.join(to_path, os.path.relpath(root, staging))
         os.makedirs(target, exist_ok=True)
         os.chmod(root, 0o700)  # an archive's read-only directory must let its files be moved out
         for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            os.replace(os.path.join(root, name), os.path.join(target, name))
+            _replace(os.path.join(root, name), os.path.join(target, name))
 
 
 def _atomic_extractor(extractor: Callable[..., None]) -> Callable[..., None]:
-    # Extract into a temporary folder inside to_path and move the files into place only once all are extracted.
+    # Extract into a temporary folder next to to_path (never one of its classes), else inside it; then move the files.
     @functools.wraps(extractor)
     def extract(
         from_path: Union[str, pathlib.Path], to_path: Union[str, pathlib.Path], compression: Optional[str]
     ) -> None:
-        to_path = to_path or os.curdir  # extract_archive("archive.tar") extracts into the working directory
+        to_path = os.path.abspath(to_path or os.curdir)  # extract_archive("a.tar") extracts into the working directory
         os.makedirs(to_path, exist_ok=True)
-        staging = _temp_sibling(os.path.join(to_path, os.path.basename(from_path)))
-        os.mkdir(staging)
+        staging, inside = _temp_sibling(to_path), _temp_sibling(os.path.join(to_path, os.path.basename(from_path)))
+        try:
+            os.mkdir(staging)
+            os.rename(staging, inside)
+            os.rename(inside, staging)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging = inside
+            os.makedirs(staging, exist_ok=True)
         try:
             extractor(from_path, staging, compression)
             _publish_tree(staging, to_path)

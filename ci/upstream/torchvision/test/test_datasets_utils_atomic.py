@@ -13,7 +13,6 @@ import shutil
 import tarfile
 import urllib.error
 import zipfile
-from unittest import mock
 
 import pytest
 from torchvision.datasets import utils
@@ -40,8 +39,8 @@ class _Response(io.BytesIO):
         return super().read(size)
 
 
-def _serve(body=BODY, **kwargs):
-    return mock.patch(
+def _serve(mocker, body=BODY, **kwargs):
+    return mocker.patch(
         "urllib.request.urlopen", side_effect=lambda request, *a, **kw: _Response(request.full_url, body, **kwargs)
     )
 
@@ -62,50 +61,52 @@ def _assert_only(folder, *names):
     assert left == sorted(names), f"expected exactly {sorted(names)} in {folder}, found {left}"
 
 
-def test_download_url_short_body_raises_and_publishes_nothing(tmp_path):
-    with _serve(BODY[:100_000], length=len(BODY)), pytest.raises(urllib.error.ContentTooShortError):
+def test_download_url_short_body_raises_and_publishes_nothing(tmpdir, mocker):
+    _serve(mocker, BODY[:100_000], length=len(BODY))
+    with pytest.raises(urllib.error.ContentTooShortError):
         try:
-            utils.download_url(URL, tmp_path)
+            utils.download_url(URL, tmpdir)
         finally:  # checked whether or not it raised: before atomic downloads, the truncated file stayed
-            _assert_only(tmp_path)
+            _assert_only(tmpdir)
 
 
-def test_download_url_read_error_propagates_and_publishes_nothing(tmp_path):
-    with _serve(fail_after=100_000, fail=ConnectionResetError(104, "Connection reset by peer")):
-        with pytest.raises(ConnectionResetError):
-            try:
-                utils.download_url(URL, tmp_path)
-            finally:
-                _assert_only(tmp_path)
-
-
-def test_download_url_wrong_md5_raises_and_publishes_nothing(tmp_path):
-    with _serve(), pytest.raises(RuntimeError, match="File not found or corrupted."):
+def test_download_url_read_error_propagates_and_publishes_nothing(tmpdir, mocker):
+    _serve(mocker, fail_after=100_000, fail=ConnectionResetError(104, "Connection reset by peer"))
+    with pytest.raises(ConnectionResetError):
         try:
-            utils.download_url(URL, tmp_path, md5=hashlib.md5(b"other bytes").hexdigest())
+            utils.download_url(URL, tmpdir)
         finally:
-            _assert_only(tmp_path)
+            _assert_only(tmpdir)
 
 
-def test_download_url_never_shows_a_partial_file(tmp_path):
-    look, seen = _partial_seen(tmp_path / "blob.bin", len(BODY))
-    with _serve(on_read=look):
-        utils.download_url(URL, tmp_path, md5=hashlib.md5(BODY).hexdigest())
+def test_download_url_wrong_md5_raises_and_publishes_nothing(tmpdir, mocker):
+    _serve(mocker)
+    with pytest.raises(RuntimeError, match="File not found or corrupted."):
+        try:
+            utils.download_url(URL, tmpdir, md5=hashlib.md5(b"other bytes").hexdigest())
+        finally:
+            _assert_only(tmpdir)
+
+
+def test_download_url_never_shows_a_partial_file(tmpdir, mocker):
+    look, seen = _partial_seen(tmpdir / "blob.bin", len(BODY))
+    _serve(mocker, on_read=look)
+    utils.download_url(URL, tmpdir, md5=hashlib.md5(BODY).hexdigest())
     assert seen == [], f"the final path held a partial file while downloading (sizes {seen})"
-    assert (tmp_path / "blob.bin").read_bytes() == BODY
+    assert (tmpdir / "blob.bin").read_binary() == BODY
 
 
-def test_download_url_complete_file_is_published(tmp_path):
-    with _serve():
-        utils.download_url(URL, tmp_path, filename="data.bin", md5=hashlib.md5(BODY).hexdigest())
-    assert (tmp_path / "data.bin").read_bytes() == BODY
-    _assert_only(tmp_path, "data.bin")
+def test_download_url_complete_file_is_published(tmpdir, mocker):
+    _serve(mocker)
+    utils.download_url(URL, tmpdir, filename="data.bin", md5=hashlib.md5(BODY).hexdigest())
+    assert (tmpdir / "data.bin").read_binary() == BODY
+    _assert_only(tmpdir, "data.bin")
 
 
-def test_decompress_never_shows_a_partial_file(tmp_path, monkeypatch):
-    archive = tmp_path / "blob.bin.gz"
-    archive.write_bytes(gzip.compress(BODY))
-    look, seen = _partial_seen(tmp_path / "blob.bin", len(BODY))
+def test_decompress_never_shows_a_partial_file(tmpdir, mocker):
+    archive = tmpdir / "blob.bin.gz"
+    archive.write_binary(gzip.compress(BODY))
+    look, seen = _partial_seen(tmpdir / "blob.bin", len(BODY))
 
     def opener(path, mode):
         f = gzip.open(path, mode)
@@ -113,11 +114,11 @@ def test_decompress_never_shows_a_partial_file(tmp_path, monkeypatch):
         f.read = lambda *args: (look(), read(*args))[1]
         return f
 
-    monkeypatch.setitem(utils._COMPRESSED_FILE_OPENERS, ".gz", opener)
+    mocker.patch.dict(utils._COMPRESSED_FILE_OPENERS, {".gz": opener})
     utils.extract_archive(str(archive), remove_finished=True)
     assert seen == [], f"the final path held a partial file while decompressing (sizes {seen})"
-    assert (tmp_path / "blob.bin").read_bytes() == BODY
-    _assert_only(tmp_path, "blob.bin")
+    assert (tmpdir / "blob.bin").read_binary() == BODY
+    _assert_only(tmpdir, "blob.bin")
 
 
 def _tar(path, members):
@@ -137,53 +138,53 @@ def _zip(path, members):
 MEMBERS = {"a.bin": BODY, "sub/b.txt": b"second member\n"}
 
 
-def _extract_watched(tmp_path, monkeypatch, archive, module):
+def _extract_watched(tmpdir, mocker, archive, module):
     """Extract ``archive`` while ``module.copyfileobj`` (how tarfile and zipfile write a member) looks at the
     final path of the big member before and after each copy; returns the partial sizes it saw."""
-    dest = tmp_path / "dest"
+    dest = tmpdir / "dest"
     look, seen = _partial_seen(dest / "a.bin", len(BODY))
     copy = module.copyfileobj
-    monkeypatch.setattr(module, "copyfileobj", lambda *args, **kwargs: (look(), copy(*args, **kwargs), look())[1])
+    mocker.patch.object(module, "copyfileobj", lambda *args, **kwargs: (look(), copy(*args, **kwargs), look())[1])
     utils.extract_archive(str(archive), str(dest))
     for member, data in MEMBERS.items():
-        assert (dest / member).read_bytes() == data
+        assert (dest / member).read_binary() == data
     _assert_only(dest, "a.bin", os.path.join("sub", "b.txt"))
     return seen
 
 
-def test_extract_tar_never_shows_a_partial_file(tmp_path, monkeypatch):
-    _tar(tmp_path / "archive.tar.gz", MEMBERS)
-    seen = _extract_watched(tmp_path, monkeypatch, tmp_path / "archive.tar.gz", tarfile)
+def test_extract_tar_never_shows_a_partial_file(tmpdir, mocker):
+    _tar(tmpdir / "archive.tar.gz", MEMBERS)
+    seen = _extract_watched(tmpdir, mocker, tmpdir / "archive.tar.gz", tarfile)
     assert seen == [], f"a member was visible partly written while extracting (sizes {seen})"
 
 
-def test_extract_zip_never_shows_a_partial_file(tmp_path, monkeypatch):
-    _zip(tmp_path / "archive.zip", MEMBERS)
-    seen = _extract_watched(tmp_path, monkeypatch, tmp_path / "archive.zip", shutil)
+def test_extract_zip_never_shows_a_partial_file(tmpdir, mocker):
+    _zip(tmpdir / "archive.zip", MEMBERS)
+    seen = _extract_watched(tmpdir, mocker, tmpdir / "archive.zip", shutil)
     assert seen == [], f"a member was visible partly written while extracting (sizes {seen})"
 
 
-def test_extract_archive_into_existing_destination(tmp_path):
-    archive = tmp_path / "archive.tar.gz"
+def test_extract_archive_into_existing_destination(tmpdir):
+    archive = tmpdir / "archive.tar.gz"
     _tar(archive, MEMBERS)
-    dest = tmp_path / "dest"
-    (dest / "sub").mkdir(parents=True)
-    (dest / "existing.txt").write_bytes(b"already here\n")
-    (dest / "sub" / "b.txt").write_bytes(b"old version\n")
+    dest = tmpdir / "dest"
+    (dest / "sub").ensure(dir=True)
+    (dest / "existing.txt").write_binary(b"already here\n")
+    (dest / "sub" / "b.txt").write_binary(b"old version\n")
 
     utils.extract_archive(str(archive), str(dest))
 
     for member, data in MEMBERS.items():
-        assert (dest / member).read_bytes() == data
-    assert (dest / "existing.txt").read_bytes() == b"already here\n"
+        assert (dest / member).read_binary() == data
+    assert (dest / "existing.txt").read_binary() == b"already here\n"
     _assert_only(dest, "a.bin", "existing.txt", os.path.join("sub", "b.txt"))
 
 
-def test_failed_extraction_publishes_nothing(tmp_path):
-    archive = tmp_path / "archive.tar.gz"
+def test_failed_extraction_publishes_nothing(tmpdir):
+    archive = tmpdir / "archive.tar.gz"
     _tar(archive, MEMBERS)
-    archive.write_bytes(archive.read_bytes()[:-200])  # the last member's data is cut off
-    dest = tmp_path / "dest"
+    archive.write_binary(archive.read_binary()[:-200])  # the last member's data is cut off
+    dest = tmpdir / "dest"
     with pytest.raises((tarfile.TarError, EOFError, OSError)):
         try:
             utils.extract_archive(str(archive), str(dest))
@@ -191,18 +192,68 @@ def test_failed_extraction_publishes_nothing(tmp_path):
             _assert_only(dest)
 
 
-def test_extract_archive_without_a_folder_extracts_into_the_working_directory(tmp_path, monkeypatch):
-    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+def test_extract_archive_without_a_folder_extracts_into_the_working_directory(tmpdir):
+    with tarfile.open(tmpdir / "a.tar", "w") as tar:
         info = tarfile.TarInfo("a.txt")
         info.size = 3
         tar.addfile(info, io.BytesIO(b"abc"))
-    monkeypatch.chdir(tmp_path)
-    utils.extract_archive("a.tar")
-    assert (tmp_path / "a.txt").read_bytes() == b"abc"
+    with tmpdir.as_cwd():
+        utils.extract_archive("a.tar")
+    assert (tmpdir / "a.txt").read_binary() == b"abc"
 
 
-def test_download_url_with_a_long_file_name(tmp_path):
+def test_download_url_with_a_long_file_name(tmpdir, mocker):
     name = "x" * 240 + ".bin"
-    with _serve():
-        utils.download_url(URL, tmp_path, filename=name)
-    _assert_only(tmp_path, name)
+    _serve(mocker)
+    utils.download_url(URL, tmpdir, filename=name)
+    _assert_only(tmpdir, name)
+
+
+def test_download_url_computes_the_md5_while_downloading(tmpdir, mocker):
+    # The md5 is computed from the bytes as they arrive: the downloaded file is not read back.
+    calculate_md5 = mocker.spy(utils, "calculate_md5")
+    _serve(mocker)
+    utils.download_url(URL, tmpdir, md5=hashlib.md5(BODY).hexdigest())
+    assert calculate_md5.call_count == 0
+    assert (tmpdir / "blob.bin").read_binary() == BODY
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_replace_onto_a_file_open_elsewhere_on_windows(tmpdir, mocker, published):
+    # Windows refuses to replace a file another process has open: a file published there is complete, so it stays.
+    tmp, final = tmpdir / "tmp", tmpdir / "final"
+    tmp.write_binary(b"ours")
+    if published:
+        final.write_binary(b"theirs")
+    windows = mocker.patch.object(utils, "os", wraps=os)
+    windows.name = "nt"
+    windows.replace.side_effect = PermissionError(13, "Access is denied")
+    if published:
+        utils._replace(str(tmp), str(final))
+        assert final.read_binary() == b"theirs"
+    else:
+        with pytest.raises(PermissionError):
+            utils._replace(str(tmp), str(final))
+
+
+def test_extraction_in_progress_lists_nothing_else_in_the_destination(tmpdir, mocker):
+    # What a killed extraction leaves must not be listed among the destination's classes (ImageFolder).
+    _tar(tmpdir / "archive.tar.gz", MEMBERS)
+    dest, listed = tmpdir / "dest", set()
+    dest.mkdir()
+    copy = tarfile.copyfileobj
+    mocker.patch.object(tarfile, "copyfileobj", lambda *a, **kw: (listed.update(os.listdir(dest)), copy(*a, **kw))[1])
+    utils.extract_archive(str(tmpdir / "archive.tar.gz"), str(dest))
+    assert listed <= {"a.bin", "sub"}
+    _assert_only(dest, "a.bin", os.path.join("sub", "b.txt"))
+
+
+@pytest.mark.parametrize("refused", ["mkdir", "rename"])
+def test_extraction_stages_inside_the_destination_where_next_to_it_fails(tmpdir, mocker, refused):
+    # A read-only parent (mkdir), another filesystem or mount (rename: EXDEV): the files still arrive.
+    _tar(tmpdir / "archive.tar.gz", MEMBERS)
+    fake = mocker.patch.object(utils, "os", wraps=os)
+    getattr(fake, refused).side_effect = OSError(18, "Invalid cross-device link")
+    utils.extract_archive(str(tmpdir / "archive.tar.gz"), str(tmpdir / "dest"))
+    _assert_only(tmpdir / "dest", "a.bin", os.path.join("sub", "b.txt"))
+    assert sorted(os.listdir(tmpdir)) == ["archive.tar.gz", "dest"]
