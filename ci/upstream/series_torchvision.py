@@ -152,10 +152,13 @@ Review points, one by one:
   process writing the same download or archive), so _replace() keeps it;
   elsewhere the error is raised as before. Nothing POSIX-only is used
   (os.replace, os.rename, os.makedirs, shutil.rmtree).
-- Not covered: download_file_from_google_drive() (gdown writes its output
-  itself; a follow-up can give it a path from _atomic_path()) and
-  _download_file_from_remote_location() (an internal hook; it never runs
-  where _is_remote_location_available() is False, as in every release).
+- gdown and the remote-location hook are left as they are:
+  download_file_from_google_drive() hands the path to gdown, which already
+  writes <name>XXXXXXXX.part in the same folder and moves it into place
+  (gdown 6.5.1 checked), so no partial file is ever under the final name;
+  _download_file_from_remote_location() is an empty function in every
+  release (_is_remote_location_available() returns False), a hook for
+  builds that replace torchvision/_internally_replaced_utils.py.
 
 All in torchvision/datasets/utils.py.
 
