@@ -67,8 +67,9 @@ def _deleter(dest: str, after: int) -> dict:
     raise TimeoutError(f"no extraction folder with {after} entries appeared in {dest}")
 
 
-def _barrier(directory: str, name: str, work: float, world: int) -> dict:
-    """rank_zero_first with launcher variables from the caller; rank 0 reports the barrier folders it sees."""
+def _barrier(directory: str, name: str, work: float, world: int, hold: str | None = None) -> dict:
+    """rank_zero_first with launcher variables from the caller; rank 0 reports the barrier folders it sees,
+    then works ``work`` seconds and, with ``hold``, until that path exists."""
     import stat
 
     from nemo_safe import rank_zero_first
@@ -81,6 +82,8 @@ def _barrier(directory: str, name: str, work: float, world: int) -> dict:
                     st = os.stat(d)
                     seen[os.path.relpath(d, directory)] = [stat.S_IMODE(st.st_mode), st.st_gid]
             time.sleep(work)
+            if hold:
+                _wait_for(hold)
     return {"barrier_dirs": seen}
 
 
@@ -96,6 +99,7 @@ def main() -> int:
     p.add_argument("--resources")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--work", type=float, default=0.0)
+    p.add_argument("--hold")
     p.add_argument("--after", type=int, default=1)
     args = p.parse_args()
     if args.as_pid:
@@ -129,7 +133,7 @@ def main() -> int:
             root, mirror = args.args
             result.update(download_race.build("MNIST", root, mirror, json.loads(args.resources)))
         elif args.action == "barrier":
-            result.update(_barrier(args.args[0], args.args[1], args.work, args.world))
+            result.update(_barrier(args.args[0], args.args[1], args.work, args.world, args.hold))
         else:
             result.update(_deleter(args.args[0], args.after))
     except Exception as exc:

@@ -240,14 +240,17 @@ def test_group_shared_root_serves_two_users(group_dir: Path) -> None:
     exp.mkdir()
     exp.chmod(0o2775)  # the job's folder, shared like the root
     jobs = []
-    for name, user, port, work in (("jobA", USER_A, "29611", 10), ("jobB", USER_B, "29612", 1)):
+    job_b_done = group_dir / "job B done"  # job A's rank 0 works until then: job B runs while A's folder is there
+    for name, user, port, hold in (("jobA", USER_A, "29611", {"hold": job_b_done}), ("jobB", USER_B, "29612", {})):
         for rank in (0, 1):
             env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "TORCHELASTIC_RUN_ID": name,
                    "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
-            jobs.append(_start("barrier", exp, name, work=work, env=env, **_as(user)))
+            jobs.append(_start("barrier", exp, name, work=1, env=env, **hold, **_as(user)))
         if name == "jobA":
             _wait_until(lambda: list((exp / ".nemo_safe").glob("*")), "job A's barrier folder")
-    results = [_ok(_result(p)) for p in jobs]
+    job_b = [_ok(_result(p)) for p in jobs[2:]]
+    job_b_done.touch()
+    results = [_ok(_result(p)) for p in jobs[:2]] + job_b
     seen = {d: v for r in results for d, v in r.get("barrier_dirs", {}).items()}
     assert len(seen) == 3, seen  # the shared parent and each job's own folder
     assert any("jobA" in d for d in results[2]["barrier_dirs"]), "job B did not run while job A's folder was there"
