@@ -59,7 +59,7 @@ KNOWN_SOURCES = {
 SLEEP_CALL = "time.sleep(cfg.seconds_to_sleep)"
 #: What NeMo pull request 2 of ``patches/nemo`` adds to ``nemo.utils.exp_manager`` and calls from
 #: ``exp_manager()`` (tests/test_upstream_fixed.py checks that the series defines it).
-UPSTREAM_ORDERING = "check_resume_in_order"
+UPSTREAM_ORDERING = "_check_resume_in_order"
 
 
 def _calls_of(tree: ast.AST) -> list[tuple[str, ast.Call]]:

@@ -1,8 +1,9 @@
-"""Tests PR 2 of our series appends to upstream's ``class TestExpManager`` in ``tests/core/test_exp_manager.py``.
+"""Tests PR 2 of our series puts into upstream's ``class TestExpManager`` in ``tests/core/test_exp_manager.py``.
 
-``ci/upstream/series_nemo.py`` copies the methods of the class below, as they are, to the end of that class; the
+``ci/upstream/series_nemo.py`` inserts the methods of the class below, as they are, after ``test_resume``; the
 imports here only name what the methods use and upstream's file imports already (anything else is imported inside
-the methods). Not collected here (pytest runs ``tests/`` only).
+the methods). Not collected here (pytest runs ``tests/`` only). Ranks other than the one exp_manager() runs as are
+played by threads; waits run on a fake clock (``_fake_time``), so no test measures wall-clock time.
 """
 
 import json
@@ -17,6 +18,11 @@ from nemo.utils.exp_manager import exp_manager
 class TestExpManager:
     def _resume_rank(self, monkeypatch, launcher_env, world_size):
         """A trainer of one process of a job of world_size processes on one node, before fit()."""
+        import itertools
+        import time
+
+        import nemo.utils.exp_manager as exp_manager_module
+
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
             monkeypatch.delenv(name, raising=False)
         # exp_manager exports both into the process's environment: let monkeypatch restore them
@@ -24,6 +30,9 @@ class TestExpManager:
         monkeypatch.delenv(NEMO_ENV_VARNAME_VERSION, raising=False)
         for name, value in launcher_env.items():
             monkeypatch.setenv(name, str(value))
+        # A process of its own: started a minute ago (states written now are this run's), no exp_manager() call yet.
+        monkeypatch.setattr(exp_manager_module, "_RESUME_ORDER_STARTED", time.time() - 60, raising=False)
+        monkeypatch.setattr(exp_manager_module, "_RESUME_ORDER_CALLS", itertools.count(), raising=False)
         return pl.Trainer(
             accelerator="cpu", devices=world_size, strategy="ddp", logger=False, enable_checkpointing=False
         )
@@ -36,6 +45,8 @@ class TestExpManager:
             "GROUP_RANK": 0,
             "LOCAL_WORLD_SIZE": world_size,
             "TORCHELASTIC_RUN_ID": "test",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": 29500,
         }
         return self._resume_rank(monkeypatch, torchrun, world_size)
 
@@ -49,136 +60,220 @@ class TestExpManager:
             "seconds_to_sleep": seconds_to_sleep,
         }
 
-    @pytest.mark.unit
-    def test_resume_order_rank_zero_moves_then_releases(self, monkeypatch, tmp_path):
-        """Global rank 0 of torchrun: rank 1 (played by a thread) waits already, so rank 0 moves at once and
-        releases it."""
+    def _sleeps(self, monkeypatch):
+        """Record the main thread's time.sleep() calls instead of sleeping (the fixed sleep of the non-zero ranks)."""
         import threading
         import time
+
+        slept, real_sleep = [], time.sleep
+
+        def sleep(seconds):
+            if threading.current_thread() is threading.main_thread():
+                slept.append(seconds)
+            else:
+                real_sleep(seconds)
+
+        monkeypatch.setattr(time, "sleep", sleep)
+        return slept
+
+    def _fake_time(self, on_sleep=lambda now: None):
+        """A clock and a sleep for _wait_for_rank_zero: sleeping advances the clock, then calls on_sleep(now)."""
+        now = [0.0]
+
+        def sleep(seconds):
+            now[0] += seconds
+            on_sleep(now[0])
+
+        return (lambda: now[0]), sleep, now
+
+    def _meeting_dir(self, base, guard=10):
+        """The folder under base/.exp_manager/ where the ranks meet, once a rank made it."""
+        import time
+
+        deadline = time.monotonic() + guard  # hang guard only
+        while time.monotonic() < deadline:
+            for folder in (base / ".exp_manager").glob("*"):
+                return folder
+            time.sleep(0.01)
+        return None
+
+    def _play_rank_zero(self, base, work, version):
+        """A thread playing global rank 0: once rank 1 made the meeting folder under base, it runs work as its
+        check_resume() and publishes its version."""
+        import threading
+
+        from nemo.utils.exp_manager import _check_resume_first
+
+        errors = []
+
+        def rank_zero():
+            meeting = self._meeting_dir(base)
+            if meeting is not None:
+                try:
+                    _check_resume_first(meeting, work, version)
+                except Exception as error:
+                    errors.append(error)
+
+        thread = threading.Thread(target=rank_zero)
+        thread.start()
+        return thread, errors
+
+    @pytest.mark.unit
+    def test_resume_order_rank_zero_moves_then_releases(self, monkeypatch, tmp_path):
+        """Global rank 0 of torchrun moves the old files, then releases rank 1 (a thread)."""
+        import threading
 
         from nemo.utils.exp_manager import _wait_for_rank_zero
 
         trainer = self._torchrun_rank(monkeypatch, 0, 2)
         (tmp_path / "old.log").write_text("old")
-        meeting = tmp_path / ".exp_manager"
-        meeting.mkdir()
-        left = []
-        rank_one = threading.Thread(target=lambda: left.append(_wait_for_rank_zero(meeting, 1, 2, 30)))
-        rank_one.start()
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=30))
-        rank_one.join()
-        assert time.monotonic() - started < 10 and left == [0.0]
+        released = []
+
+        def rank_one():
+            meeting = self._meeting_dir(tmp_path)
+            released.append(_wait_for_rank_zero(meeting, 1, grace=600) if meeting is not None else None)
+
+        thread = threading.Thread(target=rank_one)
+        thread.start()
+        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=5))
+        thread.join()
+        assert released[0]["phase"] == "done" and released[0]["error"] is None
         assert (tmp_path / "run_0" / "old.log").read_text() == "old"
-        assert json.loads((meeting / "done").read_text())["ranks"] == [1]
-        assert sorted(p.name for p in meeting.iterdir()) == ["done"]
+        assert [p.name for p in self._meeting_dir(tmp_path).iterdir()] == ["state"]
 
     @pytest.mark.unit
-    def test_resume_order_stale_arrivals_do_not_count(self, monkeypatch, tmp_path):
-        """Arrival files of a start-up that was killed while rank 1 waited do not make rank 0 go on before the
-        real rank 1 arrived: rank 0 clears them and waits (here, for a rank 1 that never comes: seconds_to_sleep)."""
-        import time
-
-        trainer = self._torchrun_rank(monkeypatch, 0, 2)
-        (tmp_path / "old.log").write_text("old")
-        meeting = tmp_path / ".exp_manager"
-        meeting.mkdir()
-        (meeting / "arrived.1.killed").touch()
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=1))
-        assert time.monotonic() - started >= 1
-        assert json.loads((meeting / "done").read_text()) == {"tokens": [], "ranks": []}
-        assert sorted(p.name for p in meeting.iterdir()) == ["done"]
+    def test_resume_order_rank_released_with_rank_zero_version(self, monkeypatch, tmp_path):
+        """Unversioned rank 1 of torchrun (get_log_dir() gives it no version, #8604) waits for global rank 0 (a
+        thread), then logs into rank 0's version folder and skips the fixed sleep."""
+        trainer = self._torchrun_rank(monkeypatch, 1, 2)
+        slept = self._sleeps(monkeypatch)
+        version = tmp_path / "default" / "2025-01-01_00-00-00"
+        rank_zero, errors = self._play_rank_zero(tmp_path / "default", lambda: None, version.name)
+        cfg = {"exp_dir": str(tmp_path), "create_tensorboard_logger": False, "create_checkpoint_callback": False}
+        log_dir = exp_manager(trainer, {**cfg, "seconds_to_sleep": 5})
+        rank_zero.join()
+        assert not errors and log_dir == version
+        assert not [seconds for seconds in slept if seconds > 0]
 
     @pytest.mark.unit
-    def test_resume_order_rank_released_by_rank_zero(self, monkeypatch, tmp_path):
-        """Rank 1 of torchrun waits for rank 0 (played by a thread) and then skips the fixed sleep."""
-        import threading
-        import time
+    def test_resume_order_rank_zero_failure_reaches_the_others(self, monkeypatch, tmp_path):
+        """Global rank 0's check_resume() fails: rank 1 raises, naming rank 0's error, instead of going on."""
 
-        from nemo.utils.exp_manager import _check_resume_first
+        def fail():
+            raise OSError(28, "No space left on device")
 
         trainer = self._torchrun_rank(monkeypatch, 1, 2)
-        (tmp_path / ".exp_manager").mkdir()
-        moved = []
-        rank_zero = threading.Thread(
-            target=_check_resume_first, args=(tmp_path / ".exp_manager", 2, 30, lambda: moved.append(True))
-        )
-        rank_zero.start()
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=30))
+        rank_zero, errors = self._play_rank_zero(tmp_path, fail, None)
+        with pytest.raises(RuntimeError, match="rank 0 .* failed checking .*No space left on device"):
+            exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=5))
         rank_zero.join()
-        assert moved and time.monotonic() - started < 10
-        assert sorted(p.name for p in (tmp_path / ".exp_manager").iterdir()) == ["done"]
+        assert [type(error) for error in errors] == [OSError]
 
     @pytest.mark.unit
-    def test_resume_order_stale_marker_does_not_release(self, monkeypatch, tmp_path):
-        """A marker of an earlier run does not release rank 1 of 4; rank 0 never comes and the other ranks do not
-        share the directory, so rank 1 carries on after seconds_to_sleep, as without ordering."""
+    def test_resume_order_rank_zero_done_before_rank_looks(self, tmp_path):
+        """Rank 0 of this run finished before rank 1 first looked, in a state written 10 s after rank 1's process
+        started: rank 1 is released at once, without waiting for seconds_to_sleep (fake clock)."""
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        written = exp_manager_module._RESUME_ORDER_STARTED + 10  # this process's real start
+        done = {"session": "s", "phase": "done", "error": None, "version": None, "time": written}
+        (tmp_path / "state").write_text(json.dumps(done))
+        clock, sleep, now = self._fake_time()
+        assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep)["session"] == "s" and now[0] == 0
+
+    @pytest.mark.unit
+    def test_resume_order_working_rank_zero_is_waited_for(self, tmp_path):
+        """Rank 0 beats while it moves: rank 1 waits past seconds_to_sleep and the silence limit, up to the
+        process-group timeout (fit() could not start before rank 0 anyway), then raises (fake clock)."""
+        from datetime import timedelta
+
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        silence = exp_manager_module._RESUME_ORDER_SILENCE
+
+        def rank_zero_beating_until(end):
+            def beat(now):
+                phase = {"phase": "checking", "beat": int(now)} if now < end else {"phase": "done", "error": None}
+                (tmp_path / "state").write_text(json.dumps({"session": "s", "time": 0, **phase}))
+
+            return beat
+
+        clock, sleep, now = self._fake_time(rank_zero_beating_until(3 * silence))
+        timeout = timedelta(seconds=10 * silence)
+        assert _wait_for_rank_zero(tmp_path, 1, 5, timeout, clock=clock, sleep=sleep)["phase"] == "done"
+        assert now[0] >= 3 * silence
+        (tmp_path / "state").unlink()
+        clock, sleep, now = self._fake_time(rank_zero_beating_until(20 * silence))
+        with pytest.raises(RuntimeError, match="has not finished checking"):
+            _wait_for_rank_zero(tmp_path, 1, 5, timeout, clock=clock, sleep=sleep)
+        assert 10 * silence <= now[0] <= 10 * silence + 3
+
+    @pytest.mark.unit
+    def test_resume_order_stopped_rank_zero_is_reported(self, tmp_path):
+        """Rank 0 of this run stopped beating (killed, SIGSTOP, host lost): rank 1 raises once its state has not
+        changed for _RESUME_ORDER_SILENCE (fake clock)."""
         import time
 
-        trainer = self._torchrun_rank(monkeypatch, 1, 4)
-        (tmp_path / "old.log").write_text("old")
-        meeting = tmp_path / ".exp_manager"
-        meeting.mkdir()
-        (meeting / "done").write_text(json.dumps({"tokens": ["stale"], "ranks": [1, 2, 3]}))
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=1))
-        assert 1 <= time.monotonic() - started < 5
-        assert (tmp_path / "old.log").exists()
-        assert sorted(p.name for p in meeting.iterdir()) == ["done"]
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        state = {"session": "s", "phase": "checking", "beat": 3, "time": time.time() + 60}
+        (tmp_path / "state").write_text(json.dumps(state))
+        clock, sleep, now = self._fake_time()
+        with pytest.raises(RuntimeError, match="has not finished checking"):
+            _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep)
+        silence = exp_manager_module._RESUME_ORDER_SILENCE
+        assert silence <= now[0] <= silence + 2
+
+    @pytest.mark.unit
+    def test_resume_order_state_of_an_earlier_run_does_not_release(self, tmp_path):
+        """A state an earlier run left (written before this process started) neither releases rank 1 nor counts as
+        rank 0, not even when one read of it fails in between; rank 1 goes on after seconds_to_sleep, as without
+        ordering (fake clock)."""
+        import time
+
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        earlier = {"session": "old", "phase": "done", "error": None, "version": "v", "time": time.time() - 3600}
+        earlier = json.dumps(earlier)
+        (tmp_path / "state").write_text(earlier)
+
+        def one_failed_read(now):
+            if 1 < now < 2:
+                (tmp_path / "state").unlink(missing_ok=True)
+            else:
+                (tmp_path / "state").write_text(earlier)
+
+        clock, sleep, now = self._fake_time(one_failed_read)
+        assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep) is None
+        assert 5 <= now[0] <= 7 and [p.name for p in tmp_path.iterdir()] == ["state"]
 
     @pytest.mark.unit
     def test_resume_order_two_ranks_not_sharing_the_folder(self, monkeypatch, tmp_path):
-        """Rank 1 of 2 alone in its folder (node-local disks): its own arrival is no sign that the folder is
-        shared, so it carries on after seconds_to_sleep, as without ordering."""
-        import time
-
+        """Rank 1 of 2 alone in its folder (node-local disks): nothing shows that rank 0 shares it, so rank 1 keeps
+        its log_dir and carries on after seconds_to_sleep, as without ordering."""
         trainer = self._torchrun_rank(monkeypatch, 1, 2)
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=1))
-        assert 1 <= time.monotonic() - started < 5
-
-    @pytest.mark.unit
-    def test_resume_order_rank_zero_went_on_without_rank(self, monkeypatch, tmp_path):
-        """Rank 1 of 2 is the only other rank, so it sees everyone waiting; but rank 0's marker says it went on
-        without rank 1 (rank 1 came late, or the marker is old): rank 1 stops waiting after seconds_to_sleep."""
-        import time
-
-        trainer = self._torchrun_rank(monkeypatch, 1, 2)
-        meeting = tmp_path / ".exp_manager"
-        meeting.mkdir()
-        (meeting / "done").write_text(json.dumps({"tokens": [], "ranks": []}))
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=1))
-        assert 1 <= time.monotonic() - started < 5
+        (tmp_path / "old.log").write_text("old")
+        assert exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=1)) == tmp_path
+        assert (tmp_path / "old.log").exists()
 
     @pytest.mark.unit
     def test_resume_order_lightning_launcher(self, monkeypatch, tmp_path):
         """Lightning's own launcher: its main process (rank 0) runs exp_manager before the other ranks exist and
-        must not wait; the ranks it starts in fit() inherit its environment and go on at once."""
-        import time
-
+        must not wait; the ranks it starts in fit() inherit its environment and do not meet or wait (the token is
+        its pid and the call, so this holds where their log_dir differs from rank 0's, too)."""
+        slept = self._sleeps(monkeypatch)
         trainer = self._resume_rank(monkeypatch, {}, 2)
         (tmp_path / "old.log").write_text("old")
-        started = time.monotonic()
         exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=30))
-        assert time.monotonic() - started < 10
         assert (tmp_path / "run_0" / "old.log").exists() and not (tmp_path / ".exp_manager").exists()
-        assert os.environ["NEMO_EXPM_RESUME_CHECKED"] == f"{os.getpid()}:{tmp_path}"
+        assert os.environ["NEMO_EXPM_RESUME_CHECKED"] == f"{os.getpid()}:0"
 
         # The started rank: LOCAL_RANK=1, and this process's parent plays the main process.
-        checked = f"{os.getppid()}:{tmp_path}"
+        checked = f"{os.getppid()}:0"
         trainer = self._resume_rank(monkeypatch, {"LOCAL_RANK": 1, "NEMO_EXPM_RESUME_CHECKED": checked}, 2)
-        started = time.monotonic()
-        exp_manager(trainer, self._resume_cfg(tmp_path, seconds_to_sleep=30))
-        assert time.monotonic() - started < 10
-
-    @pytest.mark.unit
-    def test_resume_order_not_for_unversioned_ranks(self, monkeypatch, tmp_path):
-        """Without explicit_log_dir, resume_if_exists or a version, rank 0 logs into a new version folder: the other
-        ranks (no version) do not wait for it."""
-        trainer = self._torchrun_rank(monkeypatch, 1, 2)
-        cfg = {"exp_dir": str(tmp_path), "create_tensorboard_logger": False, "create_checkpoint_callback": False}
-        exp_manager(trainer, {**cfg, "seconds_to_sleep": 0})
-        assert not (tmp_path / "default" / ".exp_manager").exists()
+        exp_manager(trainer, self._resume_cfg(tmp_path / "version_1", seconds_to_sleep=30))
+        assert not [seconds for seconds in slept if seconds > 0]
+        assert not list(tmp_path.glob("**/.exp_manager"))

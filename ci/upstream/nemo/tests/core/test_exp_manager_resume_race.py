@@ -23,13 +23,14 @@ they still see the old files in ``log_dir`` and then watch them vanish, and rank
 the current run has already written (for example the per-rank log files) into ``run_0``.
 
 The test starts 4 ranks with the real ``torchrun`` on a ``log_dir`` that a previous run left behind
-(2000 old files and a last checkpoint). All ranks line up at a start gate after their imports, then
-rank 0 sleeps 6 s before calling ``exp_manager``. Since 6 s is longer than the default
-``seconds_to_sleep`` of 5 s, a fixed sleep can never cover this delay: without a real ordering of
-rank 0's move before the other ranks, every non-zero rank is guaranteed to leave ``exp_manager``
-before rank 0 even starts to move, so the failure is deterministic by construction and needs no
-timing threshold. With the move ordered (rank 0 first, the other ranks after it), no non-zero rank
-may ever see an old file after ``exp_manager`` returned, and ``run_0`` holds exactly the old files.
+(2000 old files and a last checkpoint), with ``seconds_to_sleep`` 10 s. All ranks line up at a start
+gate after their imports, then rank 0 sleeps 6 s before calling ``exp_manager``. The fixed sleep
+holds the other ranks for longer than that, but only at the end of ``exp_manager``: each of them
+writes its per-rank log file into ``log_dir`` (``NEMO_TESTING``) 6 s before rank 0 even starts to
+move, so without a real ordering rank 0 always archives them into ``run_0`` (#9952). The failure is
+deterministic by construction and needs no timing threshold. With the move ordered (rank 0 first,
+the other ranks after it), ``run_0`` holds exactly the old files, no non-zero rank sees an old file
+after ``exp_manager`` returned, and every rank resumes from the last checkpoint.
 
 The same file is the per-rank member: ``torchrun`` runs it as a script (see ``__main__`` below).
 """
@@ -54,8 +55,8 @@ WORLD_SIZE = 4
 OLD_FILES = 2000
 OLD_PREFIX = "old_"
 LAST_CKPT = "model--step=2-last.ckpt"
-# Longer than exp_manager's default seconds_to_sleep (5 s): the non-zero ranks' fixed sleep always runs out first.
-RANK0_DELAY = 6.0
+# Rank 0 is that late, within seconds_to_sleep: the others wait for it (fit() would, too).
+RANK0_DELAY, SECONDS_TO_SLEEP = 6.0, 10.0
 # Hang guard only: 4 NeMo imports on a small CPU machine take well under a minute.
 HANG_GUARD = 600
 RANK0_DONE = "rank0_done"
@@ -106,7 +107,7 @@ def _launch(log_dir: Path, side: Path, cwd: Path) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.unit
+@pytest.mark.integration  # starts torchrun with 4 ranks (about 30 s)
 def test_check_resume_moves_old_files_before_other_ranks_continue(tmp_path):
     log_dir = tmp_path / "log"
     side = tmp_path / "side"
@@ -146,8 +147,9 @@ def test_check_resume_moves_old_files_before_other_ranks_continue(tmp_path):
     assert all((run0 / name).read_bytes() == data for name, data in old.items()), "old files changed in the move"
     assert not any(log_dir.glob(f"{OLD_PREFIX}*")), "old files left in log_dir"
     for entry in log_dir.iterdir():
-        if entry.name.startswith("."):  # only global rank 0's marker stays, in a folder check_resume never moves
-            assert entry.is_dir() and [p.name for p in entry.iterdir()] == ["done"], f"{entry} left behind in log_dir"
+        if entry.name.startswith("."):  # only global rank 0's state stays, in a folder check_resume never moves
+            left = [p.relative_to(entry).as_posix() for p in entry.rglob("*") if not p.is_dir()]
+            assert entry.name == ".exp_manager" and [name.split("/")[-1] for name in left] == ["state"], left
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +210,7 @@ def _member(log_dir: Path, side: Path) -> int:
             "resume_ignore_no_checkpoint": True,
             "create_tensorboard_logger": False,
             "create_checkpoint_callback": False,
+            "seconds_to_sleep": SECONDS_TO_SLEEP,
         }
         _start_gate(side, rank, int(os.environ["WORLD_SIZE"]))
         if rank == 0:

@@ -1,0 +1,250 @@
+# ruff: noqa: UP006, UP007, UP035, UP038  (exp_manager.py's typing idiom: Dict, Optional, Tuple)
+"""What the upstream NeMo pull request puts into ``nemo/utils/exp_manager.py``, verbatim.
+
+``ci/make_patches.py`` copies the definitions below by name into NeMo 3.0.0's
+``exp_manager.py``, right before ``check_resume``, and makes ``exp_manager()`` call
+``_check_resume_in_order()`` where it called ``check_resume()``: global rank 0 moves
+the old files of ``log_dir`` before the other ranks use it, its failure reaches them,
+and every rank takes rank 0's ``log_dir`` (patch 0002 of ``patches/nemo/``).
+
+Written in that file's idiom (``Dict`` / ``Optional``, NeMo's ``logging``); the names
+the functions find in ``nemo.utils.exp_manager`` are imported for type checkers only.
+"""
+
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+
+if TYPE_CHECKING:  # found in nemo.utils.exp_manager, where these functions run
+    from nemo.constants import NEMO_ENV_VARNAME_RESUME_CHECKED
+    from nemo.utils import logging
+    from nemo.utils.exp_manager import check_resume
+    from nemo.utils.get_rank import is_global_rank_zero
+
+
+# While check_resume() runs, global rank 0 rewrites its state every _RESUME_ORDER_BEAT s. The others raise once it
+# did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches keep an old view), or once a
+# beating rank 0 has not finished within the process-group timeout (fit() would fail on it then too).
+_RESUME_ORDER_BEAT, _RESUME_ORDER_SILENCE, _RESUME_ORDER_TIMEOUT = 1.0, 120.0, timedelta(minutes=30)
+_RESUME_ORDER_CALLS = itertools.count()  # the n-th exp_manager() call of a process meets the others' n-th
+
+
+def _resume_order_run() -> Optional[list]:
+    """What is equal on every rank of this run and differs between concurrent runs: torchrun's store address (bound
+    by one process at a time; a loopback one is per host), else SLURM's job, step and restart count; None elsewhere
+    (nothing is ordered there)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("MASTER_PORT"):
+        address = os.environ.get("MASTER_ADDR", "")
+        host = socket.gethostname() if address in ("", "localhost") or address.startswith("127.") else None
+        return [os.environ["TORCHELASTIC_RUN_ID"], address, os.environ["MASTER_PORT"], host]
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):
+        return [os.environ.get(name) for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")]
+    return None
+
+
+def _process_start_time() -> float:
+    """When this process started (Linux), else now. A torchrun restart or a rerun in the same SLURM step starts
+    after every process of the earlier one ended: a state written well after this time is this run's."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration, AttributeError):
+        return time.time()
+
+
+_RESUME_ORDER_STARTED, _RESUME_ORDER_SKEW = _process_start_time(), 5.0  # host clocks may differ by _SKEW s
+
+
+def _read_resume_state(path: Path) -> Dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _write_resume_state(path: Path, state: Dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    try:
+        temporary.write_text(json.dumps(state), encoding="utf-8")
+        for attempt in range(50):
+            try:
+                os.replace(temporary, path)  # the others read the old state or the new one, never half of one
+                return
+            except PermissionError:  # Windows, while another rank reads the old state: it closes it at once
+                if attempt == 49:
+                    raise
+                time.sleep(0.1)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def _check_resume_first(meeting_dir: Path, run_check_resume: Callable[[], None], version: Optional[str]) -> None:
+    """Global rank 0: say that it checks (beating), run check_resume(), then publish how that ended and its version."""
+    state_file = meeting_dir / "state"
+    who = {"session": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "version": version}
+    stop = threading.Event()
+
+    def publish(**fields) -> None:
+        _write_resume_state(state_file, {**who, "time": time.time(), **fields})
+
+    def beat() -> None:
+        for n in itertools.count(1):
+            if stop.wait(_RESUME_ORDER_BEAT):
+                return
+            try:
+                publish(phase="checking", beat=n)
+            except Exception:  # one lost beat; the others give up only after _RESUME_ORDER_SILENCE
+                pass
+
+    try:
+        publish(phase="checking", beat=0)
+    except OSError as error:
+        logging.warning(f"Global rank 0 cannot tell the other ranks in {meeting_dir} that it checks ({error})")
+        run_check_resume()
+        return
+    logging.info(f"Global rank 0 checks {meeting_dir.parent.parent} for resuming; the other ranks wait for it")
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    outcome = {"phase": "done", "error": None}
+    try:
+        run_check_resume()
+    except BaseException as error:
+        outcome["error"] = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        stop.set()
+        beating.join()
+        try:
+            publish(**outcome)
+        except OSError as error:  # the others see the beat stop and raise after _RESUME_ORDER_SILENCE
+            logging.warning(f"Global rank 0 could not tell the other ranks in {meeting_dir} that it is done: {error}")
+
+
+def _wait_for_rank_zero(
+    meeting_dir: Path,
+    rank: int,
+    grace: float,
+    timeout: timedelta = _RESUME_ORDER_TIMEOUT,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Optional[Dict[str, Any]]:
+    """A non-zero rank: wait until global rank 0 of this run finished check_resume(); return its state, or raise its
+    error. None if no rank 0 of this run showed up within grace seconds (it is late, or it meets elsewhere: a
+    node-local disk, another working directory): the rank then carries on as without this wait."""
+    logging.info(f"Rank {rank} waits for global rank 0 to check {meeting_dir.parent.parent} for resuming")
+    state_file, live_sessions = meeting_dir / "state", set()
+    started = noted = clock()
+    first_seen = changed = last = None
+    delay = 0.01
+    while True:
+        state, now = _read_resume_state(state_file), clock()
+        seen = (state.get("session"), state.get("phase"), state.get("beat"))
+        if state and last is not None and seen != last:  # only a live rank 0 changes its state: this run's
+            live_sessions.add(state.get("session"))
+            changed = now
+        last = seen if state else last  # a failed read is no change
+        written = state.get("time")
+        this_run = bool(state) and (
+            state.get("session") in live_sessions
+            or (isinstance(written, (int, float)) and written > _RESUME_ORDER_STARTED + _RESUME_ORDER_SKEW)
+        )
+        rank_zero = f"global rank 0 (host {state.get('host')}, pid {state.get('pid')})"
+        if this_run and state.get("phase") == "done":
+            if state.get("error"):
+                raise RuntimeError(
+                    f"Rank {rank}: {rank_zero} failed checking {meeting_dir.parent.parent} for resuming: "
+                    f"{state['error']}. See rank 0's log for the cause."
+                )
+            logging.info(f"Rank {rank}: global rank 0 checked {meeting_dir.parent.parent} ({now - started:.1f} s)")
+            return state
+        if this_run:
+            first_seen = now if first_seen is None else first_seen
+            changed = now if changed is None else changed
+            if now - changed >= _RESUME_ORDER_SILENCE or now - first_seen >= timeout.total_seconds():
+                raise RuntimeError(
+                    f"Rank {rank}: {rank_zero} has not finished checking {meeting_dir.parent.parent} for resuming: "
+                    f"its state in {meeting_dir} last changed {now - changed:.0f} s ago, {now - first_seen:.0f} s "
+                    "after it started (killed, stopped, its host lost, or stuck in a filesystem call)."
+                )
+        elif now - started >= grace:
+            logging.warning(
+                f"Rank {rank} saw no global rank 0 of this run in {meeting_dir} within seconds_to_sleep ({grace} s): "
+                "it is later, finished before this rank started, or uses another exp_dir (not shared between nodes); "
+                "continuing as without waiting for it"
+            )
+            return None
+        if now - noted >= 30:
+            noted = now
+            doing = "is checking" if this_run else "has not come yet"
+            logging.info(f"Rank {rank} still waits for global rank 0, which {doing} ({now - started:.0f} s)")
+        sleep(delay)
+        delay = min(2 * delay, 1.0)
+
+
+def _check_resume_in_order(
+    trainer, cfg, log_dir: Path, exp_dir: str, name: str, version: Optional[str]
+) -> Tuple[float, Path, Optional[str]]:
+    """Run check_resume() on global rank 0 before the other ranks (#7460, #9952), which then take rank 0's version
+    (#8604). Returns the seconds a non-zero rank still has to sleep, and the log_dir and version to use."""
+
+    def run_check_resume(directory: Path) -> None:
+        check_resume(
+            trainer,
+            directory,
+            cfg.resume_if_exists,
+            cfg.resume_past_end,
+            cfg.resume_ignore_no_checkpoint,
+            cfg.checkpoint_callback_params.dirpath,
+            cfg.resume_from_checkpoint,
+        )
+
+    world_size = trainer.num_nodes * trainer.num_devices
+    call = next(_RESUME_ORDER_CALLS) if world_size > 1 else None
+    # Ranks a launcher started (torchrun, SLURM, ...), not Lightning's own launcher before fit().
+    external = getattr(getattr(trainer.strategy, "cluster_environment", None), "creates_processes_externally", False)
+    run = _resume_order_run()
+    if world_size > 1 and os.environ.get(NEMO_ENV_VARNAME_RESUME_CHECKED) == f"{os.getppid()}:{call}":
+        run_check_resume(log_dir)  # started by Lightning's launcher in fit(), after global rank 0 checked
+        return 0.0, log_dir, version
+    if world_size == 1 or not external or run is None or is_global_rank_zero() != (trainer.global_rank == 0):
+        run_check_resume(log_dir)
+        if world_size > 1 and is_global_rank_zero() and not external:  # the ranks it starts in fit() find it done
+            os.environ[NEMO_ENV_VARNAME_RESUME_CHECKED] = f"{os.getpid()}:{call}"
+        return cfg.seconds_to_sleep, log_dir, version
+    # Every rank of the run computes the same folder: the part of log_dir without the version, and the run.
+    base = Path(log_dir) if cfg.explicit_log_dir else Path(exp_dir) / str(name)
+    meeting_dir = base / ".exp_manager" / uuid.uuid5(uuid.NAMESPACE_OID, json.dumps([*run, call])).hex[:12]
+    try:
+        meeting_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        logging.warning(f"Ranks cannot meet in {meeting_dir} ({error}); rank 0 may move files under the others.")
+        run_check_resume(log_dir)
+        return cfg.seconds_to_sleep, log_dir, version
+    if is_global_rank_zero():
+        _check_resume_first(meeting_dir, lambda: run_check_resume(log_dir), version)
+        return cfg.seconds_to_sleep, log_dir, version
+    started = time.monotonic()
+    timeout = getattr(trainer.strategy, "_timeout", None)  # DDPStrategy(timeout=...)
+    timeout = timeout if isinstance(timeout, timedelta) else _RESUME_ORDER_TIMEOUT
+    state = _wait_for_rank_zero(meeting_dir, trainer.global_rank, cfg.seconds_to_sleep, timeout)
+    if state is None:
+        run_check_resume(log_dir)
+        return max(0.0, cfg.seconds_to_sleep - (time.monotonic() - started)), log_dir, version
+    if not cfg.explicit_log_dir and state.get("version"):  # get_log_dir() gave only rank 0 a version
+        version = state["version"]
+        log_dir = Path(exp_dir) / str(name) / str(version)
+    run_check_resume(log_dir)  # the lookup of the last checkpoint, in rank 0's log_dir
+    return 0.0, log_dir, version
