@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # found in nemo.utils.exp_manager, where these functions run
 # did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches keep an old view), or once a
 # beating rank 0 has not finished within the process-group timeout (fit() would fail on it then too).
 _RESUME_ORDER_BEAT, _RESUME_ORDER_SILENCE, _RESUME_ORDER_TIMEOUT = 1.0, 120.0, timedelta(minutes=30)
-_RESUME_ORDER_CALLS = itertools.count()  # the n-th exp_manager() call of a process meets the others' n-th
+_RESUME_ORDER_CALLS = itertools.count()  # the n-th multi-rank exp_manager() call of a process meets the others' n-th
 
 
 def _resume_order_run() -> Optional[list]:
