@@ -133,11 +133,7 @@ def _append_test_methods(tree: Path, rel: str, additions: str, class_name: str) 
     ends_with_class = isinstance(last, ast.ClassDef) and last.name == class_name
     if not ends_with_class or not text.endswith("\n") or text.endswith("\n\n"):
         raise EditError(f"{path}: expected to end with class {class_name} and one newline")
-    source = (HERE / "nemo" / additions).read_text()
-    lines = source.splitlines(keepends=True)
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == class_name)
-    first = min([cls.body[0].lineno, *(d.lineno for d in getattr(cls.body[0], "decorator_list", []))])
-    path.write_text(text + "\n" + "".join(lines[first - 1 : cls.end_lineno]))
+    path.write_text(text + "\n" + _class_methods(additions, class_name))
 
 
 def _nemo_log_rank(tree: Path) -> None:
