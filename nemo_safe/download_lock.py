@@ -44,12 +44,12 @@ class _DownloadLock:
         return sorted(int(n.rpartition(".")[2]) for n in names if re.fullmatch(re.escape(self.name) + r"\.\d+", n))
 
     def _read(self, generation: int) -> Optional[dict[str, Any]]:
-        try:
-            with open(self._path(generation), "rb") as f:
+        for pause in (0.01, 0.02, 0.04, 0):  # some FUSE mounts answer ENOENT while a beat's rename replaces it
+            with contextlib.suppress(FileNotFoundError), open(self._path(generation), "rb") as f:
                 info = json.loads(f.read() or b"{}")  # empty until its creator has written it
-        except FileNotFoundError:
-            return None
-        return info if isinstance(info, dict) else {"state": "unreadable"}
+                return info if isinstance(info, dict) else {"state": "unreadable"}
+            time.sleep(pause)
+        return None
 
     def _create(self, generation: int) -> bool:
         os.makedirs(self.folder, exist_ok=True)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from nemo_safe.atomic_files import (
@@ -43,6 +44,10 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {"beat": int, "host": str, "pid"
 #: absent from locks of versions that did not measure progress.
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {**_REQUIRED, "progress": int, "idle": int}
 _UNREADABLE: dict[str, Any] = {"state": "unreadable"}
+#: Pauses before reading again a lock that read as missing: a path-based FUSE mount (object-store mounts,
+#: passthroughs) answers ENOENT for a file while a rename replaces it (each beat), for one look; a lock
+#: missing through all of them (70 ms) is gone. The listing is not asked: some mounts cache it for minutes.
+_MISSING_REREADS = (0.01, 0.02, 0.04)
 #: Lock folders whose filesystem refused a hard link (asked once per process and folder).
 _NO_LINKS: dict[str, bool] = {}
 
@@ -103,7 +108,7 @@ class FlightLocks:
         warning); raises OSError when this process could not read it (its own problem, not the leader's)."""
         path = os.path.join(self.lock_dir, self.lock_name(generation))
         try:
-            raw = read_if_exists(path)
+            raw = self._read_raw(generation)
         except OSError as exc:
             if exc.errno not in _NOT_A_LOCK_ERRNOS:
                 raise
@@ -129,6 +134,18 @@ class FlightLocks:
                 )
             return {"state": "foreign"}
         return info
+
+    def _read_raw(self, generation: int) -> bytes | None:
+        """The lock file's bytes, or None when it is gone: one that reads as missing is read again after
+        each of :data:`_MISSING_REREADS`, as it may just be being replaced by a beat."""
+        path = os.path.join(self.lock_dir, self.lock_name(generation))
+        raw = read_if_exists(path)
+        for pause in _MISSING_REREADS if raw is None else ():
+            time.sleep(pause)
+            raw = read_if_exists(path)
+            if raw is not None:
+                break
+        return raw
 
     def info(self, state: str, beat: int, **extra: Any) -> bytes:
         body = {
@@ -213,7 +230,7 @@ class FlightLocks:
         try:
             if any(g > generation for g in self.generations()):
                 return False
-            raw = read_if_exists(os.path.join(self.lock_dir, self.lock_name(generation)))
+            raw = self._read_raw(generation)
         except OSError:
             return True
         try:

@@ -257,10 +257,21 @@ class SingleFlight(_DownloadLock):
 
     def _finish(self, generation: int, state: str, **extra: Any) -> bool:
         """The outcome, as upstream's; a leader taken over while stalled raises :class:`LeaderDeposed` (it
-        publishes nothing and waits for the new one), and a successful one also removes the lock folder."""
+        publishes nothing and waits for the new one), and a successful one also removes the lock folder.
+        A job stopped by :func:`check_still_leading` may have wrapped :class:`LeaderDeposed` in its own error
+        (MNIST's ``download`` turns every RuntimeError into "Error downloading ..."): that is no verdict on the
+        job, so the lock, if still ours, says "abandoned" (the next process takes over at once) and
+        :class:`LeaderDeposed` is raised here, for the caller to wait or lead again."""
+        deposed = self._was_deposed and state == "failed"
+        if deposed:
+            log.warning("nemo_safe: %s: this process was told it no longer leads, and its job stopped with %s: %s; "
+                        "no verdict on the job, the next process does it", self.what, extra.get("error_type"),
+                        extra.get("error"))  # fmt: skip
+            state, extra = "abandoned", {}
         held = super()._finish(generation, state, **extra)
-        if not held and state != "abandoned":
-            log.warning("nemo_safe: %s: taken over while stalled; waiting for the new leader", self.what)
+        if deposed or (not held and state != "abandoned"):
+            if not held:
+                log.warning("nemo_safe: %s: taken over while stalled; waiting for the new leader", self.what)
             raise self._deposed_error(generation)
         if held and state == "done":
             self.locks.remove_folder()  # _DownloadLock removed the generations
@@ -343,8 +354,11 @@ class SingleFlight(_DownloadLock):
         )
 
     def _check_not_deposed(self) -> None:
-        if self._generation is not None and not self._holds(self._generation):
+        if self._generation is None:
+            return
+        if not self._holds(self._generation):
             raise self._deposed_error(self._generation)
+        self._was_deposed = False  # an earlier "deposed" was a misreading the job carried on from
 
     def _abandon(self, generation: int) -> None:
         """SIGTERM: mark the lock abandoned (still ours): waiters on every host take over at their next look."""
@@ -401,10 +415,10 @@ class SingleFlight(_DownloadLock):
                 yield False
                 return
             generation = self._generation = self._won
-            self.led = True
+            self.led, self._was_deposed = True, False
             self._job = ThreadProgress(threading.current_thread())
             self.progress = self.idle = 0
-            _leading.flight = self
+            outer, _leading.flight = getattr(_leading, "flight", None), self
             held.add(key)
             log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
             try:
@@ -412,5 +426,5 @@ class SingleFlight(_DownloadLock):
                     yield True
             finally:
                 held.discard(key)
-                _leading.flight = None
+                _leading.flight = outer  # a nested flight's end: the outer job's checks apply again
                 self._generation = self._job = None

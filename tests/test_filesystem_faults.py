@@ -90,8 +90,8 @@ def test_no_hard_links_one_rank_works_like_upstream(faultfs, mnist, reference) -
         with throttled(mnist, seconds=0.5) as mirror:
             err = _spawn(1, mnt / f"root-{disable}", mnt / f"res-{disable}", mirror.url, disable)
             assert not err, (disable, err)
+            _assert_all_loaded(read_results(mnt / f"res-{disable}"), range(1), reference)
             _assert_one_fetch_each(mirror)
-        _assert_all_loaded(read_results(mnt / f"res-{disable}"), range(1), reference)
 
 
 def test_no_hard_links_eight_ranks_one_download(faultfs, mnist, reference) -> None:
@@ -99,8 +99,8 @@ def test_no_hard_links_eight_ranks_one_download(faultfs, mnist, reference) -> No
     with throttled(mnist) as mirror:
         err = _spawn(8, mnt / "root", mnt / "res", mirror.url, disable=False, init=False, skew=0.3)
         assert not err, err
+        _assert_all_loaded(read_results(mnt / "res"), range(8), reference)
         _assert_one_fetch_each(mirror)
-    _assert_all_loaded(read_results(mnt / "res"), range(8), reference)
     assert not list((mnt / "root").rglob(".nemo_safe")), "the lock folder is removed after success"
 
 
@@ -110,8 +110,8 @@ def test_stale_file_handles_are_read_again(faultfs, mnist, reference) -> None:
     with throttled(mnist) as mirror:
         err = _spawn(6, mnt / "root", mnt / "res", mirror.url, disable=False, init=False)
         assert not err, err
+        _assert_all_loaded(read_results(mnt / "res"), range(6), reference)
         _assert_one_fetch_each(mirror)
-    _assert_all_loaded(read_results(mnt / "res"), range(6), reference)
 
 
 def test_own_failed_reads_are_not_the_leaders_silence(faultfs, tmp_path: Path) -> None:
@@ -136,3 +136,42 @@ def test_barrier_reads_through_stale_file_handles(faultfs) -> None:
     )
     assert set(ranks.codes.values()) == {0}, ranks.results
     assert all(ranks.results[r]["saw_marker"] for r in range(1, 6)), ranks.results
+
+
+def test_a_lock_being_replaced_is_never_read_as_gone(faultfs) -> None:
+    """A path-based FUSE mount answers ENOENT for a file while a rename replaces it: the twin reads the
+    beating lock naively and finds it missing. The leader's own ownership check (its job thread, while its
+    beat thread rewrites the lock) must never conclude from that that it was taken over: it then aborted
+    a healthy download (an MNIST leader's "Error downloading" reached every rank, CI of 49b3c72)."""
+    import threading
+
+    from nemo_safe.atomic_files import read_if_exists
+    from nemo_safe.flight_locks import FlightLocks
+
+    mnt = faultfs()
+    locks = FlightLocks(str(mnt), "download", "test download")
+    assert locks.try_lead(0)
+    path = os.path.join(locks.lock_dir, locks.lock_name(0))
+    stop = threading.Event()
+
+    def beat() -> None:
+        n = 0
+        while not stop.wait(0.05):  # beats 20 times as often as a leader: many replacements to meet
+            n += 1
+            locks.publish(0, locks.info("running", n))
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        end = time.monotonic() + 6
+        naive_missing = lost = unread = checks = 0
+        while time.monotonic() < end:
+            naive_missing += read_if_exists(path) is None
+            checks += 1
+            lost += not locks.still_holds(0)
+            unread += locks.read(0) is None
+    finally:
+        stop.set()
+        beating.join()
+    assert naive_missing > 0, f"the mount must show the fault ({checks} reads)"  # the twin
+    assert (lost, unread) == (0, 0), f"of {checks} checks, {lost} said 'taken over', {unread} read no lock"

@@ -94,8 +94,8 @@ def test_spawn_eight_ranks_download_once(tmp_path: Path, mnist, reference) -> No
             8, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, timeout=HANG_GUARD
         )
         assert out.returncode == 0, out.stderr[-3000:]
+        _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
         _assert_one_fetch_each(mirror)
-    _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
     _assert_raw_equals_original(tmp_path / "root", mnist)
     _assert_clean_root(tmp_path / "root")
 
@@ -109,8 +109,8 @@ def test_spawn_before_init_process_group_with_start_skew(tmp_path: Path, mnist, 
             timeout=HANG_GUARD,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
+        _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
         _assert_one_fetch_each(mirror)
-    _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
     _assert_clean_root(tmp_path / "root")
 
 
@@ -156,8 +156,8 @@ def test_torchrun_four_ranks(tmp_path: Path, mnist, reference) -> None:
         cmd += _member_cmd(tmp_path / "root", tmp_path / "res", tmp_path / "gate", mirror.url)
         out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
         assert out.returncode == 0, out.stderr[-3000:]
+        _assert_all_loaded(read_results(tmp_path / "res"), range(4), reference)
         _assert_one_fetch_each(mirror)
-    _assert_all_loaded(read_results(tmp_path / "res"), range(4), reference)
     _assert_clean_root(tmp_path / "root")
 
 

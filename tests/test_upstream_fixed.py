@@ -163,8 +163,8 @@ def test_mnist_race_on_the_fixed_release_with_nemo_safe(
             4, tmp_path / "root", tmp_path / "res", mirror.url, disable=False, skew=SKEW, timeout=HANG_GUARD
         )
         assert out.returncode == 0, out.stderr[-3000:]
+        _assert_all_loaded(read_results(tmp_path / "res"), range(4), reference)
         _assert_one_fetch_each(mirror)
-    _assert_all_loaded(read_results(tmp_path / "res"), range(4), reference)
     assert "nemo_safe" not in out.stderr, out.stderr[-3000:]
     assert not list((tmp_path / "root").rglob(".nemo_safe*")), list((tmp_path / "root").rglob("*"))
 

@@ -242,7 +242,10 @@ The lock (utils._DownloadLock) is a file <folder>/.download.lock.<n>:
   lock. A holder checks that it still holds its generation (its token,
   and no newer generation) before it publishes any outcome: one taken
   over while stalled publishes nothing (its files are whole anyway, by
-  the previous commit).
+  the previous commit). A lock that reads as missing is read again three
+  times within 70 ms: a path-based FUSE mount answers ENOENT for a file
+  while a beat's rename replaces it, which made a healthy holder think it
+  was taken over (nemo_safe's overlay met it in its tests).
 - The holder's error (type and message) is written into its lock. Only
   processes that saw that holder running raise it (RuntimeError naming
   the folder and the error), within one poll; a process that arrives
@@ -283,7 +286,8 @@ done; a holder whose beat stopped is taken over after _LOCK_STALE, one
 that beats is not; the holder's error reaches a waiter that saw it
 running, an earlier failure does not fail a later attempt; an
 interrupted holder is taken over at once; a holder taken over while it
-stalled writes no outcome and removes nothing; the wait ends after
+stalled writes no outcome and removes nothing; a holder whose lock
+reads as missing once still holds it; the wait ends after
 _LOCK_TIMEOUT without progress; each of the five classes waits for the
 other process's download instead of downloading
 (download_and_extract_archive mocked); a complete dataset takes no lock.

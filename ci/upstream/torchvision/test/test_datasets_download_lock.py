@@ -173,6 +173,21 @@ def test_holder_that_was_taken_over_publishes_nothing(tmpdir, fails):
     assert _lock_files(tmpdir) == [".download.lock.0", ".download.lock.1"]
 
 
+def test_holder_reads_its_lock_again_while_it_is_being_replaced(tmpdir, mocker):
+    lock = utils._DownloadLock(str(tmpdir))
+    assert lock._create(0)
+    real_open, missing = open, [FileNotFoundError()]  # some FUSE mounts answer ENOENT during a rename
+
+    def open_(*args, **kwargs):
+        if missing:
+            raise missing.pop()
+        return real_open(*args, **kwargs)
+
+    mocker.patch.object(utils, "open", open_, create=True)
+    mocker.patch.object(utils.time, "sleep")
+    assert lock._holds(0)
+
+
 def test_waiting_ends_after_the_timeout_without_any_sign_of_progress(tmpdir, mocker):
     other = _OtherProcess(tmpdir, beating=False).install(mocker)
     mocker.patch.object(utils._DownloadLock, "_read", side_effect=OSError("stale file handle"))
