@@ -75,6 +75,18 @@ def lock_folder_usable(directory: str) -> bool:
     return True
 
 
+def _read_through_replacement(path: str) -> bytes | None:
+    """The lock file's bytes, or None when it is gone: one that reads as missing is read again after
+    each of :data:`_MISSING_REREADS`, as it may just be being replaced by a beat."""
+    raw = read_if_exists(path)
+    for pause in _MISSING_REREADS:
+        if raw is not None:
+            break
+        time.sleep(pause)
+        raw = read_if_exists(path)
+    return raw
+
+
 def _validated(info: Any) -> dict[str, Any] | None:
     """A lock file's content as nemo_safe writes it, or None."""
     if not isinstance(info, dict) or info.get("state") not in STATES:
@@ -108,7 +120,7 @@ class FlightLocks:
         warning); raises OSError when this process could not read it (its own problem, not the leader's)."""
         path = os.path.join(self.lock_dir, self.lock_name(generation))
         try:
-            raw = self._read_raw(generation)
+            raw = _read_through_replacement(path)
         except OSError as exc:
             if exc.errno not in _NOT_A_LOCK_ERRNOS:
                 raise
@@ -134,18 +146,6 @@ class FlightLocks:
                 )
             return {"state": "foreign"}
         return info
-
-    def _read_raw(self, generation: int) -> bytes | None:
-        """The lock file's bytes, or None when it is gone: one that reads as missing is read again after
-        each of :data:`_MISSING_REREADS`, as it may just be being replaced by a beat."""
-        path = os.path.join(self.lock_dir, self.lock_name(generation))
-        raw = read_if_exists(path)
-        for pause in _MISSING_REREADS if raw is None else ():
-            time.sleep(pause)
-            raw = read_if_exists(path)
-            if raw is not None:
-                break
-        return raw
 
     def info(self, state: str, beat: int, **extra: Any) -> bytes:
         body = {
@@ -230,7 +230,7 @@ class FlightLocks:
         try:
             if any(g > generation for g in self.generations()):
                 return False
-            raw = self._read_raw(generation)
+            raw = _read_through_replacement(os.path.join(self.lock_dir, self.lock_name(generation)))
         except OSError:
             return True
         try:
