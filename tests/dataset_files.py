@@ -8,6 +8,7 @@ constructor arguments, and the digests a correct load gives (as
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import pickle
@@ -35,13 +36,27 @@ def _md5(data: bytes) -> str:
 
 
 def _tar_gz(members: dict[str, bytes]) -> bytes:
+    """gzip's header gets mtime 0: the bytes (and md5) depend on the members only, never on the clock."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buf, mode="w") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return gzip.compress(buf.getvalue(), mtime=0)
+
+
+def _mat(arrays: dict[str, np.ndarray]) -> bytes:
+    """A MAT-file whose bytes depend on ``arrays`` only. savemat writes the time of the call into its
+    116-byte header text, so two builds a second apart had different md5s: a CI run failed when a test
+    took a split's md5 from one build and its file from another."""
+    import scipy.io
+
+    buf = io.BytesIO()
+    scipy.io.savemat(buf, arrays)
+    data = bytearray(buf.getvalue())
+    data[:116] = b"MATLAB 5.0 MAT-file, written by the nemo_safe tests".ljust(116)
+    return bytes(data)
 
 
 def _png(pixels: np.ndarray) -> bytes:
@@ -90,17 +105,13 @@ def svhn(images: int = 600, split: str = "train") -> DatasetFiles:
     """SVHN's ``.mat`` files of the train and test splits (scipy, which torchvision's SVHN needs anyway): X is
     32x32x3xN, y in 1..10; the test split has a quarter of the images. ``attrs`` name both; ``files``, ``reference``
     and ``kwargs`` are ``split``'s."""
-    import scipy.io
-
     files, attrs, items = {}, {"split_list": {}}, {}
     for seed, (name, count) in enumerate((("train", images), ("test", max(1, images // 4))), start=1):
         rng = np.random.default_rng(seed)
         x = rng.integers(0, 256, (32, 32, 3, count), dtype=np.uint8)
         y = rng.integers(1, 11, (count, 1), dtype=np.uint8)
-        buf = io.BytesIO()
-        scipy.io.savemat(buf, {"X": x, "y": y})
-        files[f"{name}_32x32.mat"] = buf.getvalue()
-        attrs["split_list"][name] = [f"{{mirror}}{name}_32x32.mat", f"{name}_32x32.mat", _md5(buf.getvalue())]
+        mat = files[f"{name}_32x32.mat"] = _mat({"X": x, "y": y})
+        attrs["split_list"][name] = [f"{{mirror}}{name}_32x32.mat", f"{name}_32x32.mat", _md5(mat)]
         items[name] = [(x[:, :, :, i], int(y[i, 0]) % 10) for i in range(count)]
     mine = {name: data for name, data in files.items() if name.startswith(split)}  # the other split's is not asked for
     return DatasetFiles("SVHN", mine, attrs, item_reference(items[split]), {"split": split})
@@ -114,7 +125,10 @@ def omniglot(images: int = 100) -> DatasetFiles:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for i, p in enumerate(pixels):
-            zf.writestr(f"images_background/Alphabet_of_Tests/character01/{i:04d}_01.png", _png(p))
+            name = f"images_background/Alphabet_of_Tests/character01/{i:04d}_01.png"
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # no clock in the bytes
+            info.external_attr = 0o600 << 16  # what writestr(name, ...) gives
+            zf.writestr(info, _png(p))
     archive = buf.getvalue()
     # Omniglot requests prefix + "/" + name: "<mirror>/" + "/images_background.zip", which the mirror serves.
     attrs = {"download_url_prefix": "{mirror}", "zips_md5": {"images_background": _md5(archive)}}

@@ -235,6 +235,7 @@ def test_other_split_in_the_same_root_neither_waits_nor_fails(tmp_path: Path, di
     download runs. As upstream, rank 1 downloads and loads its split, whatever the train split does: splits
     do not share a flight (they shared one named after the class alone, and rank 1 raised rank 0's error)."""
     spec, test = svhn(images=800), svhn(images=800, split="test")
+    assert spec.attrs == test.attrs, "the two builds must agree on both splits' md5s"
     files = {**spec.files, **test.files}
     with throttled(files, Faults(corrupt={"train_32x32.mat"}), seconds=DOWNLOAD_SECONDS) as mirror:
         results = _mixed_members(2, spec, tmp_path, mirror.url, lambda r: {"split": ("train", "test")[r]}, disable, 0.2)
