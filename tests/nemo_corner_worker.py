@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -22,6 +23,7 @@ def main() -> int:
     p.add_argument("--explicit-log-dir", action="store_true", help="use <exp-dir>/log as explicit_log_dir")
     p.add_argument("--resume", choices=["none", "strict", "lenient"], default="none")
     p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--delay", type=float, default=0.0, help="seconds to sleep before exp_manager (start skew)")
     args = p.parse_args()
     import logging
 
@@ -41,7 +43,8 @@ def main() -> int:
     if args.resume != "none":
         cfg.update(resume_if_exists=True, resume_ignore_no_checkpoint=args.resume == "lenient")
     trainer = pl.Trainer(**demo.cpu_trainer_kwargs(1, args.nodes))
-    result: dict = {"rank": ident.rank, "patched": bool(nemo_safe.active())}
+    result: dict = {"rank": ident.rank, "pid": os.getpid(), "ppid": os.getppid(), "patched": bool(nemo_safe.active())}
+    time.sleep(args.delay)
     started = time.monotonic()
     try:
         result.update(status="ok", log_dir=str(exp_manager(trainer, cfg)))

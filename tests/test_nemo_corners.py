@@ -23,12 +23,14 @@ TIMEOUT = "60"
 SLEEP = 5.0  # exp_manager's seconds_to_sleep, upstream's fixed wait and nemo_safe's grace
 
 
-def _tasks(variant: str, job: str, command, logs: Path) -> dict[int, list[dict]]:
+def _tasks(variant: str, job: str, command, logs: Path, **more: str) -> dict[int, list[dict]]:
     """Two tasks of one step, each running ``command(rank)`` (a shell line); their JSON lines by rank
-    (their stderr, nemo_safe's barrier log at debug level included, in ``logs/rank<r>.err``)."""
+    (their stderr, nemo_safe's barrier log at debug level included, in ``logs/rank<r>.err``). ``more``:
+    more environment variables."""
     procs = {}
     for rank in (0, 1):
-        extra = {"NEMO_SAFE_BARRIER_TIMEOUT": TIMEOUT, **({"NEMO_SAFE_DISABLE": "1"} if variant == "upstream" else {})}
+        extra = {"NEMO_SAFE_BARRIER_TIMEOUT": TIMEOUT, **more}
+        extra.update({"NEMO_SAFE_DISABLE": "1"} if variant != "nemo_safe" else {})
         # One task on each of two nodes, as Lightning's SLURM environment checks them.
         nodes = {"SLURM_NODEID": str(rank), "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1",
                  "SLURM_NODELIST": "node[1-2]"}  # fmt: skip
@@ -77,3 +79,31 @@ def test_retry_inside_one_step(tmp_path: Path, variant: str) -> None:
         assert retry["status"] == "ok", (rank, retry, results)
         assert retry["seconds"] < SLEEP + 10, (rank, retry)
     assert time.monotonic() - started < HANG_GUARD
+
+
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream", "series"])
+def test_retry_a_shell_runs_in_its_own_process(tmp_path: Path, variant: str) -> None:
+    """As above, with `python train.py; python train.py --lenient`: bash runs the last command in its own
+    process, which started before the first attempt, and rank 0's retry comes 15 s after rank 1's. Rank 1's
+    retry must not take attempt 1's outcome (rank 0's failure) as this attempt's. ``series``: NeMo with
+    patches/nemo applied and no nemo_safe, whose ordering took it (and raised rank 0's old error) before its
+    start counted from the exec."""
+    env = {}
+    if variant == "series":
+        from test_upstream_fixed import _fixed_release
+
+        env["PYTHONPATH"] = str(_fixed_release("nemo", "nemo", tmp_path / "fixed"))
+    run = f"{sys.executable} {WORKER} --exp-dir {tmp_path} --explicit-log-dir"
+
+    def command(rank: int) -> str:
+        return f"{run} --resume strict; {run} --resume lenient --delay {15 if rank == 0 else 0}"
+
+    results = _tasks(variant, f"21{len(variant)}3", command, tmp_path, **env)
+    print(variant, {r: [f"{run['status']} {run['seconds']:.2f} s" for run in runs] for r, runs in results.items()})
+    for rank in (0, 1):
+        first, retry = results[rank]
+        assert first["patched"] == (variant == "nemo_safe"), first
+        assert retry["pid"] == first["ppid"], "the shell did not run the retry in its own process"
+        assert (first["status"], first["error_type"]) == ("error", "NotFoundError"), first  # NeMo's own, every rank
+        assert retry["status"] == "ok", (rank, retry, results)
+        assert retry["seconds"] < SLEEP + 10, (rank, retry)

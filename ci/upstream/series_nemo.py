@@ -185,7 +185,12 @@ exists):
   changes it; a failed read is no change) or was written more than 5 s
   (clock skew) after this process started: a torchrun restart or a rerun
   in one SLURM step starts after every process of the earlier one ended,
-  so an earlier run's state never releases anyone.
+  so an earlier run's state never releases anyone. A rerun that a shell
+  runs as its last command (`python train.py; python train.py`) keeps the
+  shell's process, started before the first run: its start is then taken
+  as now minus the CPU time the thread spent, which is after that exec (a
+  rank whose imports waited long on I/O may then take a rank 0 that had
+  finished before it looked for an earlier run's, and carry on as today).
 - A rank that saw no rank 0 of this run within seconds_to_sleep carries
   on as today, with one warning: node-local or otherwise unshared
   exp_dirs keep working as they do, and no rank ever waits longer than
@@ -197,15 +202,21 @@ exists):
 
 Review points on the earlier version (two PRs, arrival files and a "done"
 marker), one by one:
-- Rank 0's failure now reaches the others: they raise RuntimeError with
-  rank 0's host, pid and error as soon as it is written, instead of going
-  on into fit() to hang at the rendezvous.
+- Rank 0's failure now reaches the others as soon as it is written: they
+  run their own check_resume() (an error every rank meets, such as
+  NotFoundError without a checkpoint, is NeMo's own on every rank, as
+  today), then raise RuntimeError with rank 0's host, pid and error,
+  instead of going on into fit() to hang at the rendezvous.
 - Liveness is a heartbeat: while rank 0's state keeps changing the others
   wait, up to the strategy's process-group timeout (DDPStrategy(timeout=),
-  30 min by default: fit() would fail on a rank 0 that late anyway); once
-  it has not changed for 120 s (killed, stopped, host lost; longer than
-  NFS and FUSE attribute caches keep an old view) they raise. The 600 s
-  cap and the 10 s re-listing are gone; the waiting ranks write nothing.
+  30 min by default); once it has not changed for 120 s (killed, stopped,
+  cut off from the folder; longer than NFS and FUSE attribute caches keep
+  an old view) they carry on as today, with a warning: a rank 0 that
+  recovers finds them in fit(), as it would today. A rank that was
+  stopped itself (a suspended job) does not count that time as rank 0's
+  silence, and a read that fails once rank 0 was seen (a rename on a FUSE
+  mount) is neither absence nor life. The 600 s cap and the 10 s
+  re-listing are gone; the waiting ranks write nothing.
 - A late or missing non-zero rank: rank 0 waits for nobody, so no rank
   delays it or makes the others give up.
 - A rank 0 later than seconds_to_sleep is not waited for, with 2 ranks or
@@ -235,17 +246,20 @@ All in nemo/utils/exp_manager.py (a few lines in exp_manager(), 5
 imports, new private functions before check_resume()) and one constant
 in nemo/constants.py. No new package, option or dependency.
 
-Tested: tests/core/test_exp_manager.py, TestExpManager: nine tests play
+Tested: tests/core/test_exp_manager.py, TestExpManager: twelve tests play
 ranks with torchrun's variables, the other ranks as threads: rank 0 moves
 and releases rank 1; an unversioned rank 1 takes rank 0's version folder
 and skips the sleep; rank 0's OSError reaches rank 1 as RuntimeError; a
-rank 0 that finished before rank 1 looked releases it at once; a beating
-rank 0 is waited for past the silence limit, up to the timeout; a
-stopped one is reported after 120 s; a state of an earlier run releases
-nobody, even with a failed read in between; two ranks not sharing the
-folder go on after seconds_to_sleep; Lightning's launcher. All but the
-eighth fail before this change (seven on importing the new helpers, which
-they drive directly with a fake clock).
+NotFoundError rank 0 meets is rank 1's own NotFoundError; a rank 0 that
+finished before rank 1 looked releases it at once; a beating rank 0 is
+waited for past the silence limit, up to the timeout, then not; a stopped
+one holds nobody after 120 s; a failed read after seconds_to_sleep keeps
+rank 1 waiting for a rank 0 still checking; a state of an earlier run releases
+nobody, even with a failed read in between; the start counted from a
+shell's exec; two ranks not sharing the folder go on after
+seconds_to_sleep; Lightning's launcher. All but the one for ranks not
+sharing the folder fail before this change (most on importing the new
+helpers, which they drive directly with a fake clock).
 tests/core/test_exp_manager_resume_race.py starts 4 ranks with torchrun on
 a log_dir holding 2000 old files and a last checkpoint, seconds_to_sleep
 10 s, rank 0 entering exp_manager() 6 s late: run_0 must hold exactly the

@@ -29,9 +29,10 @@ if TYPE_CHECKING:  # found in nemo.utils.exp_manager, where these functions run
     from nemo.utils.get_rank import is_global_rank_zero
 
 
-# While check_resume() runs, global rank 0 rewrites its state every _RESUME_ORDER_BEAT s. The others raise once it
-# did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches keep an old view), or once a
-# beating rank 0 has not finished within the process-group timeout (fit() would fail on it then too).
+# While check_resume() runs, global rank 0 rewrites its state every _RESUME_ORDER_BEAT s. The others carry on as
+# without ordering once it did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches keep
+# an old view), or once a beating rank 0 has not finished within the process-group timeout: a stopped or cut-off
+# rank 0 that recovers then finds them in fit(), as without ordering.
 _RESUME_ORDER_BEAT, _RESUME_ORDER_SILENCE, _RESUME_ORDER_TIMEOUT = 1.0, 120.0, timedelta(minutes=30)
 _RESUME_ORDER_CALLS = itertools.count()  # the n-th multi-rank exp_manager() call of a process meets the others' n-th
 
@@ -50,14 +51,16 @@ def _resume_order_run() -> Optional[list]:
 
 
 def _process_start_time() -> float:
-    """When this process started (Linux), else now. A torchrun restart or a rerun in the same SLURM step starts
-    after every process of the earlier one ended: a state written well after this time is this run's."""
+    """When this program started (Linux), else now. A torchrun restart or a rerun in the same SLURM step starts
+    after every process of the earlier one ended: a state written well after this time is this run's. A shell runs
+    its last command in its own process (`python train.py; python train.py`), started before the first run; the
+    CPU time this thread spent since (the shell's part is milliseconds) moves the start past that exec."""
     try:
         with open("/proc/self/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
         with open("/proc/stat", "rb") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
+        return max(boot + ticks / os.sysconf("SC_CLK_TCK"), time.time() - time.thread_time())
     except (OSError, ValueError, IndexError, StopIteration, AttributeError):
         return time.time()
 
@@ -129,7 +132,7 @@ def _check_resume_first(meeting_dir: Path, run_check_resume: Callable[[], None],
         beating.join()
         try:
             publish(**outcome)
-        except OSError as error:  # the others see the beat stop and raise after _RESUME_ORDER_SILENCE
+        except OSError as error:  # the others see the beat stop and carry on after _RESUME_ORDER_SILENCE
             logging.warning(f"Global rank 0 could not tell the other ranks in {meeting_dir} that it is done: {error}")
 
 
@@ -141,17 +144,20 @@ def _wait_for_rank_zero(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Optional[Dict[str, Any]]:
-    """A non-zero rank: wait until global rank 0 of this run finished check_resume(); return its state, or raise its
-    error. None if no rank 0 of this run showed up within grace seconds (it is late, or it meets elsewhere: a
-    node-local disk, another working directory): the rank then carries on as without this wait."""
+    """A non-zero rank: wait until global rank 0 of this run finished check_resume(); return its state (its error
+    included). None if no rank 0 of this run showed up within grace seconds (it is late, or it meets elsewhere: a
+    node-local disk, another working directory) or it stopped showing progress: the rank then carries on as without
+    this wait."""
     logging.info(f"Rank {rank} waits for global rank 0 to check {meeting_dir.parent.parent} for resuming")
     state_file, live_sessions = meeting_dir / "state", set()
-    started = noted = clock()
+    started = noted = polled = clock()
     first_seen = changed = last = None
     delay = 0.01
     while True:
         state, now = _read_resume_state(state_file), clock()
-        seen = (state.get("session"), state.get("phase"), state.get("beat"))
+        if changed is not None and now - polled > 10:  # this rank was stopped itself: not rank 0's silence
+            changed, first_seen = now, first_seen + (now - polled)
+        polled, seen = now, (state.get("session"), state.get("phase"), state.get("beat"))
         if state and last is not None and seen != last:  # only a live rank 0 changes its state: this run's
             live_sessions.add(state.get("session"))
             changed = now
@@ -161,24 +167,21 @@ def _wait_for_rank_zero(
             state.get("session") in live_sessions
             or (isinstance(written, (int, float)) and written > _RESUME_ORDER_STARTED + _RESUME_ORDER_SKEW)
         )
-        rank_zero = f"global rank 0 (host {state.get('host')}, pid {state.get('pid')})"
         if this_run and state.get("phase") == "done":
-            if state.get("error"):
-                raise RuntimeError(
-                    f"Rank {rank}: {rank_zero} failed checking {meeting_dir.parent.parent} for resuming: "
-                    f"{state['error']}. See rank 0's log for the cause."
-                )
             logging.info(f"Rank {rank}: global rank 0 checked {meeting_dir.parent.parent} ({now - started:.1f} s)")
             return state
         if this_run:
             first_seen = now if first_seen is None else first_seen
-            changed = now if changed is None else changed
+            changed, known = now if changed is None else changed, state
+        if first_seen is not None:  # then a failed read is no absence, but no sign of life either
             if now - changed >= _RESUME_ORDER_SILENCE or now - first_seen >= timeout.total_seconds():
-                raise RuntimeError(
-                    f"Rank {rank}: {rank_zero} has not finished checking {meeting_dir.parent.parent} for resuming: "
-                    f"its state in {meeting_dir} last changed {now - changed:.0f} s ago, {now - first_seen:.0f} s "
-                    "after it started (killed, stopped, its host lost, or stuck in a filesystem call)."
+                logging.warning(
+                    f"Rank {rank}: global rank 0 (host {known.get('host')}, pid {known.get('pid')}) has not finished "
+                    f"checking {meeting_dir.parent.parent} for resuming: its state in {meeting_dir} last changed "
+                    f"{now - changed:.0f} s ago, {now - first_seen:.0f} s after this rank first saw it (stopped, cut "
+                    "off from the folder, or stuck in a filesystem call); continuing as without waiting for it"
                 )
+                return None
         elif now - started >= grace:
             logging.warning(
                 f"Rank {rank} saw no global rank 0 of this run in {meeting_dir} within seconds_to_sleep ({grace} s): "
@@ -188,7 +191,7 @@ def _wait_for_rank_zero(
             return None
         if now - noted >= 30:
             noted = now
-            doing = "is checking" if this_run else "has not come yet"
+            doing = "is checking" if first_seen is not None else "has not come yet"
             logging.info(f"Rank {rank} still waits for global rank 0, which {doing} ({now - started:.0f} s)")
         sleep(delay)
         delay = min(2 * delay, 1.0)
@@ -243,6 +246,12 @@ def _check_resume_in_order(
     if state is None:
         run_check_resume(log_dir)
         return max(0.0, cfg.seconds_to_sleep - (time.monotonic() - started)), log_dir, version
+    if state.get("error"):
+        run_check_resume(log_dir)  # NeMo's own error first, where every rank meets the one rank 0 met
+        raise RuntimeError(
+            f"Rank {trainer.global_rank}: global rank 0 (host {state.get('host')}, pid {state.get('pid')}) failed "
+            f"checking {meeting_dir.parent.parent} for resuming: {state['error']}. See rank 0's log for the cause."
+        )
     if not cfg.explicit_log_dir and state.get("version"):  # get_log_dir() gave only rank 0 a version
         version = state["version"]
         log_dir = Path(exp_dir) / str(name) / str(version)

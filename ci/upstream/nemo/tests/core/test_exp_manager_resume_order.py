@@ -170,6 +170,23 @@ class TestExpManager:
         assert [type(error) for error in errors] == [OSError]
 
     @pytest.mark.unit
+    def test_resume_order_rank_zero_failure_every_rank_meets_is_nemos_own(self, monkeypatch, tmp_path):
+        """Global rank 0 finds no checkpoint to resume from: rank 1 raises the same NotFoundError from its own lookup,
+        which a script catching NotFoundError on every rank catches, as without ordering."""
+        from nemo.utils.exp_manager import NotFoundError
+
+        def not_found():
+            raise NotFoundError("There were no checkpoints found")
+
+        trainer = self._torchrun_rank(monkeypatch, 1, 2)
+        rank_zero, errors = self._play_rank_zero(tmp_path, not_found, None)
+        cfg = {**self._resume_cfg(tmp_path, seconds_to_sleep=5), "resume_ignore_no_checkpoint": False}
+        with pytest.raises(NotFoundError):
+            exp_manager(trainer, cfg)
+        rank_zero.join()
+        assert [type(error) for error in errors] == [NotFoundError]
+
+    @pytest.mark.unit
     def test_resume_order_rank_zero_done_before_rank_looks(self, tmp_path):
         """Rank 0 of this run finished before rank 1 first looked, in a state written 10 s after rank 1's process
         started: rank 1 is released at once, without waiting for seconds_to_sleep (fake clock)."""
@@ -185,7 +202,8 @@ class TestExpManager:
     @pytest.mark.unit
     def test_resume_order_working_rank_zero_is_waited_for(self, tmp_path):
         """Rank 0 beats while it moves: rank 1 waits past seconds_to_sleep and the silence limit, up to the
-        process-group timeout (fit() could not start before rank 0 anyway), then raises (fake clock)."""
+        process-group timeout (fit() could not start before rank 0 anyway), then carries on as without ordering (fake
+        clock)."""
         from datetime import timedelta
 
         import nemo.utils.exp_manager as exp_manager_module
@@ -206,14 +224,14 @@ class TestExpManager:
         assert now[0] >= 3 * silence
         (tmp_path / "state").unlink()
         clock, sleep, now = self._fake_time(rank_zero_beating_until(20 * silence))
-        with pytest.raises(RuntimeError, match="has not finished checking"):
-            _wait_for_rank_zero(tmp_path, 1, 5, timeout, clock=clock, sleep=sleep)
+        assert _wait_for_rank_zero(tmp_path, 1, 5, timeout, clock=clock, sleep=sleep) is None
         assert 10 * silence <= now[0] <= 10 * silence + 3
 
     @pytest.mark.unit
-    def test_resume_order_stopped_rank_zero_is_reported(self, tmp_path):
-        """Rank 0 of this run stopped beating (killed, SIGSTOP, host lost): rank 1 raises once its state has not
-        changed for _RESUME_ORDER_SILENCE (fake clock)."""
+    def test_resume_order_stopped_rank_zero_holds_nobody(self, tmp_path):
+        """Rank 0 of this run stopped beating (SIGSTOP, its host cut off from the folder): rank 1 carries on as without
+        ordering once its state has not changed for _RESUME_ORDER_SILENCE, so that a rank 0 that recovers finds it in
+        fit() as it would without ordering (fake clock)."""
         import time
 
         import nemo.utils.exp_manager as exp_manager_module
@@ -222,10 +240,26 @@ class TestExpManager:
         state = {"session": "s", "phase": "checking", "beat": 3, "time": time.time() + 60}
         (tmp_path / "state").write_text(json.dumps(state))
         clock, sleep, now = self._fake_time()
-        with pytest.raises(RuntimeError, match="has not finished checking"):
-            _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep)
+        assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep) is None
         silence = exp_manager_module._RESUME_ORDER_SILENCE
         assert silence <= now[0] <= silence + 2
+
+    @pytest.mark.unit
+    def test_resume_order_failed_read_after_seconds_to_sleep_keeps_waiting(self, tmp_path):
+        """Rank 0 of this run is still checking after seconds_to_sleep when one read of its state fails (a rename on a
+        FUSE mount): rank 1 keeps waiting for it instead of going on while rank 0 moves files (fake clock)."""
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        def rank_zero(now):
+            if 10 < now < 11:
+                (tmp_path / "state").unlink(missing_ok=True)
+            else:
+                phase = {"phase": "checking", "beat": int(now)} if now < 20 else {"phase": "done", "error": None}
+                (tmp_path / "state").write_text(json.dumps({"session": "s", "time": 0, **phase}))
+
+        clock, sleep, now = self._fake_time(rank_zero)
+        state = _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep)
+        assert state is not None and state["phase"] == "done" and now[0] >= 20
 
     @pytest.mark.unit
     def test_resume_order_state_of_an_earlier_run_does_not_release(self, tmp_path):
@@ -249,6 +283,19 @@ class TestExpManager:
         clock, sleep, now = self._fake_time(one_failed_read)
         assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep) is None
         assert 5 <= now[0] <= 7 and [p.name for p in tmp_path.iterdir()] == ["state"]
+
+    @pytest.mark.unit
+    def test_resume_order_counts_from_the_exec_of_a_shell(self, monkeypatch):
+        """A shell runs its last command in its own process (`python train.py; python train.py`), which started before
+        the first run: this run starts no earlier than now minus the CPU time this thread spent (fake clocks)."""
+        import time
+
+        from nemo.utils.exp_manager import _process_start_time
+
+        now = time.time()  # later than this process's start
+        monkeypatch.setattr(time, "time", lambda: now + 3600)
+        monkeypatch.setattr(time, "thread_time", lambda: 10.0)
+        assert _process_start_time() == now + 3590
 
     @pytest.mark.unit
     def test_resume_order_two_ranks_not_sharing_the_folder(self, monkeypatch, tmp_path):
