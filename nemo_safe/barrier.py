@@ -41,7 +41,8 @@ A waiter given a *grace* also publishes its presence at once; if rank 0 has
 shown no sign within the grace and not every other rank is present either, the
 ranks may not share this directory at all (node-local disks, different
 working directories), and it raises :class:`~nemo_safe.errors.RankZeroAbsent`
-so that the caller can carry on without the barrier.
+so that the caller can carry on without the barrier; if every other rank was present,
+rank 0 is only late and is waited for up to 120 s more (never past the timeout).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ class Barrier:
         """Non-zero ranks: block until rank 0 has finished its work; raise if it failed.
 
         With ``grace``: raise :class:`~nemo_safe.errors.RankZeroAbsent` once ``grace`` seconds
-        passed without any sign of rank 0 unless every other rank is present here. With
+        passed without any sign of rank 0 unless every other rank is present here, and if they
+        were, :data:`~nemo_safe.barrier_waiter.VOUCHED_WAIT` seconds later (or at the timeout). With
         ``stall_limit``: raise :class:`~nemo_safe.errors.RankZeroStalled` once rank 0, still beating,
         has shown no progress of its work for that many seconds (for callers that can carry on
         without it; others wait while it beats, a long subprocess of rank 0's included)."""

@@ -30,6 +30,11 @@ log = logging.getLogger("nemo_safe.barrier")
 
 #: Waiters outlast rank 0's timeout by this much so that they hear its verdict.
 WAITER_GRACE_MIN, WAITER_GRACE_POLLS = 5.0, 20
+#: A rank 0 that every other rank vouches for (present after the grace: it is late, not elsewhere) is waited
+#: for this much longer, and never past the timeout; one that has not come by then met elsewhere after all
+#: (another working directory, a meeting folder it could not use): the waiter gives up as on an absent one
+#: instead of failing at its timeout where upstream completes. NeMo's upstream PR bounds it alike.
+VOUCHED_WAIT = 120.0
 
 
 class Waiter:
@@ -52,6 +57,8 @@ class Waiter:
         #: The session of the first state read: it may be an earlier attempt's; a session opened after it
         #: was opened by a rank 0 alive while this waiter waited, so it is this attempt's.
         self.first_session: str | None = None
+        #: Every other rank was present when the grace ended: rank 0 is waited for until then (monotonic).
+        self.vouched_until: float | None = None
 
     def wait(self) -> Outcome:
         b = self.b
@@ -72,13 +79,14 @@ class Waiter:
                 self._check_rank_zero_present()
                 if time.monotonic() >= self.deadline:
                     b.channel.check_safe()
+                    if self.grace is not None:  # a timeout shorter than the grace: rank 0 never showed up either
+                        raise RankZeroAbsent(self._timeout_message())
                     raise BarrierTimeout(self._timeout_message())
                 if self.progress.due():
                     log.info("nemo_safe: rank %d waiting for rank 0 at %s (%.0f s of %.0f s)",
                              b.rank, b.where(), self.progress.elapsed, b.timeout)  # fmt: skip
-                grace_end = self.progress.start + self.grace if self.grace is not None else self.deadline
                 self.backoff.set_cap(b.channel.poll_cap(b.poll_max))
-                self.backoff.sleep(min(self.deadline, grace_end))
+                self.backoff.sleep(min(self.deadline, self._gives_up_at()))
         finally:
             b.channel.finish()
             self._withdraw()
@@ -118,16 +126,34 @@ class Waiter:
         return outcome
 
     def _check_rank_zero_present(self) -> None:
-        """After the grace without rank 0: raise :class:`RankZeroAbsent` unless every other rank is here.
-        This rank is no evidence (with two ranks nothing tells a late rank 0 from one that does not share
-        this place, so rank 1 gives up), nor is a presence left by a process that has exited."""
+        """After the grace without rank 0: raise :class:`RankZeroAbsent` unless every other rank is here,
+        and after :data:`VOUCHED_WAIT` more (or at the timeout) if they were. This rank is no evidence
+        (with two ranks nothing tells a late rank 0 from one that does not share this place, so rank 1
+        gives up), nor is a presence left by a process that has exited."""
         if self.grace is None or self.progress.elapsed < self.grace:
             return
         b = self.b
+        if self.vouched_until is not None:
+            if time.monotonic() >= min(self.vouched_until, self.deadline):
+                ended = "its timeout" if self.deadline <= self.vouched_until else f"{VOUCHED_WAIT:g} s past the grace"
+                raise RankZeroAbsent(
+                    f"{b.where()}: rank {b.rank} waited {self.progress.elapsed:.1f} s ({ended}) and rank 0 never "
+                    f"showed up, although every other rank was here after the {self.grace:g} s grace: rank 0 "
+                    f"probably meets elsewhere (another working directory or meeting folder), or is later still."
+                )
+            return
         present = {a.rank for a in b.channel.arrivals(PRESENCE) if a.rank != b.rank and self._live(a)}
         if b.world_size == 2 or len(present) < b.world_size - 2:
             raise RankZeroAbsent(self._absent_message(present))
-        self.grace = None  # every other rank is here: rank 0 is late, wait for it
+        self.vouched_until = time.monotonic() + VOUCHED_WAIT  # every other rank is here: rank 0 is late
+
+    def _gives_up_at(self) -> float:
+        """When this waiter next decides without rank 0: the grace's end, the vouched wait's, or the deadline."""
+        if self.grace is None:
+            return self.deadline
+        if self.vouched_until is not None:
+            return min(self.vouched_until, self.deadline)
+        return self.progress.start + self.grace
 
     def _live(self, arrival: Arrival) -> bool:
         """A presence counts unless its process exited (same host) or it predates this process (by the clock)."""

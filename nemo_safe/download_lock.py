@@ -31,6 +31,7 @@ class _DownloadLock:
     once ``done()`` holds, raise the error of a holder seen running, or take over an ended or silent one."""
 
     stale_after, timeout, poll_max = _LOCK_STALE, _LOCK_TIMEOUT, 1.0
+    missing_rereads = (0.01, 0.02, 0.04)  # some FUSE mounts answer ENOENT while a beat's rename replaces the lock
 
     def __init__(self, folder: str, name: str = ".download.lock") -> None:
         self.folder, self.name, self.token = folder, name, os.urandom(8).hex()
@@ -44,7 +45,7 @@ class _DownloadLock:
         return sorted(int(n.rpartition(".")[2]) for n in names if re.fullmatch(re.escape(self.name) + r"\.\d+", n))
 
     def _read(self, generation: int) -> Optional[dict[str, Any]]:
-        for pause in (0.01, 0.02, 0.04, 0):  # some FUSE mounts answer ENOENT while a beat's rename replaces it
+        for pause in (*self.missing_rereads, 0):
             with contextlib.suppress(FileNotFoundError), open(self._path(generation), "rb") as f:
                 info = json.loads(f.read() or b"{}")  # empty until its creator has written it
                 return info if isinstance(info, dict) else {"state": "unreadable"}

@@ -24,9 +24,10 @@ class BarrierTimeout(NemoSafeError, TimeoutError):
 
 
 class RankZeroAbsent(NemoSafeError):
-    """Rank 0 never showed up within the grace and not every other rank is present either:
-    the ranks probably do not share the barrier's directory. Callers that can do without
-    the barrier (NeMo's exp_manager) carry on as upstream does."""
+    """Rank 0 never showed up within the grace and not every other rank is present either
+    (or they were, and rank 0 did not come within 120 s more, or by the timeout): the ranks
+    probably do not share the barrier's directory. Callers that can do without the barrier
+    (NeMo's exp_manager) carry on as upstream does."""
 
 
 class RankZeroStalled(RankZeroAbsent):

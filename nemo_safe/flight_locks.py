@@ -23,6 +23,7 @@ from nemo_safe.atomic_files import (
     temp_name,
     unlink_if_exists,
 )
+from nemo_safe.download_lock import _DownloadLock
 from nemo_safe.errors import ConfigurationError
 from nemo_safe.records import HIDDEN_DIRNAME, has_field_types, new_nonce
 from nemo_safe.warn_once import warn_once
@@ -47,7 +48,7 @@ _UNREADABLE: dict[str, Any] = {"state": "unreadable"}
 #: Pauses before reading again a lock that read as missing: a path-based FUSE mount (object-store mounts,
 #: passthroughs) answers ENOENT for a file while a rename replaces it (each beat), for one look; a lock
 #: missing through all of them (70 ms) is gone. The listing is not asked: some mounts cache it for minutes.
-_MISSING_REREADS = (0.01, 0.02, 0.04)
+_MISSING_REREADS = _DownloadLock.missing_rereads
 #: Lock folders whose filesystem refused a hard link (asked once per process and folder).
 _NO_LINKS: dict[str, bool] = {}
 

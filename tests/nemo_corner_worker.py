@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import nemo_safe
 
@@ -20,10 +21,12 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--exp-dir", required=True, help="exp_dir (odd ranks: --exp-dir-odd if given)")
     p.add_argument("--exp-dir-odd")
+    p.add_argument("--exp-dir-zero", help="rank 0's exp_dir, if given")
     p.add_argument("--explicit-log-dir", action="store_true", help="use <exp-dir>/log as explicit_log_dir")
     p.add_argument("--resume", choices=["none", "strict", "lenient"], default="none")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--delay", type=float, default=0.0, help="seconds to sleep before exp_manager (start skew)")
+    p.add_argument("--gate", help="a folder: after its imports each rank waits there for every rank's (start gate)")
     args = p.parse_args()
     import logging
 
@@ -38,12 +41,18 @@ def main() -> int:
 
     ident = nemo_safe.detect_identity()
     exp_dir = args.exp_dir_odd if (args.exp_dir_odd and ident.rank % 2) else args.exp_dir
+    exp_dir = args.exp_dir_zero if (args.exp_dir_zero and ident.rank == 0) else exp_dir
     cfg: dict = {"create_tensorboard_logger": False, "create_checkpoint_callback": False}
     cfg.update({"explicit_log_dir": f"{exp_dir}/log"} if args.explicit_log_dir else {"exp_dir": exp_dir, "name": "exp"})
     if args.resume != "none":
         cfg.update(resume_if_exists=True, resume_ignore_no_checkpoint=args.resume == "lenient")
     trainer = pl.Trainer(**demo.cpu_trainer_kwargs(1, args.nodes))
     result: dict = {"rank": ident.rank, "pid": os.getpid(), "ppid": os.getppid(), "patched": bool(nemo_safe.active())}
+    if args.gate:
+        Path(args.gate, str(ident.rank)).touch()
+        deadline = time.monotonic() + 240  # a hang guard only
+        while len(list(Path(args.gate).iterdir())) < ident.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
     time.sleep(args.delay)
     started = time.monotonic()
     try:

@@ -1,6 +1,6 @@
 """Issue 21's corners with the real NeMo ``exp_manager``, each next to its upstream twin (NEMO_SAFE_DISABLE=1).
 
-Two srun-style tasks (launcher variables, no slurmd needed): one NeMo process per task and attempt, so
+Two or three srun-style tasks (launcher variables, no slurmd needed): one NeMo process per task and attempt, so
 each case costs four NeMo imports (7-10 s each). The barrier-level versions are in test_barrier_corners.py.
 """
 
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_safe.barrier_waiter import VOUCHED_WAIT
+
 from procs import clean_env, slurm_env
 
 WORKER = str(Path(__file__).resolve().parent / "nemo_corner_worker.py")
@@ -23,23 +25,28 @@ TIMEOUT = "60"
 SLEEP = 5.0  # exp_manager's seconds_to_sleep, upstream's fixed wait and nemo_safe's grace
 
 
-def _tasks(variant: str, job: str, command, logs: Path, **more: str) -> dict[int, list[dict]]:
-    """Two tasks of one step, each running ``command(rank)`` (a shell line); their JSON lines by rank
+def _tasks(variant: str, job: str, command, logs: Path, world: int = 2, **more: str) -> dict[int, list[dict]]:
+    """``world`` tasks of one step, each running ``command(rank)`` (a shell line); their JSON lines by rank
     (their stderr, nemo_safe's barrier log at debug level included, in ``logs/rank<r>.err``). ``more``:
     more environment variables."""
     procs = {}
-    for rank in (0, 1):
+    for rank in range(world):
         extra = {"NEMO_SAFE_BARRIER_TIMEOUT": TIMEOUT, **more}
         extra.update({"NEMO_SAFE_DISABLE": "1"} if variant != "nemo_safe" else {})
-        # One task on each of two nodes, as Lightning's SLURM environment checks them.
+        # One task on each node, as Lightning's SLURM environment checks them.
         nodes = {"SLURM_NODEID": str(rank), "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1",
-                 "SLURM_NODELIST": "node[1-2]"}  # fmt: skip
-        env = clean_env(**{**slurm_env(rank, 2, job), **nodes}, **extra)
+                 "SLURM_NODELIST": f"node[1-{world}]"}  # fmt: skip
+        env = clean_env(**{**slurm_env(rank, world, job), **nodes}, **extra)
         procs[rank] = subprocess.Popen(["bash", "-c", command(rank)], env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     results = {}
     for rank, proc in procs.items():
-        out, err = proc.communicate(timeout=HANG_GUARD)
+        try:
+            out, err = proc.communicate(timeout=HANG_GUARD)
+        except subprocess.TimeoutExpired:
+            for other in procs.values():
+                other.kill()
+            raise
         (logs / f"rank{rank}.err").write_text(err)
         results[rank] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert results[rank], err[-3000:]
@@ -59,6 +66,32 @@ def test_two_ranks_with_different_exp_dirs(tmp_path: Path, variant: str) -> None
     assert r0["patched"] == r1["patched"] == (variant == "nemo_safe")
     assert r1["seconds"] < SLEEP + 10, f"rank 1 must return within the grace + 10 s, took {r1['seconds']:.1f}"
     assert r1["log_dir"].startswith(str(tmp_path / "b")), r1
+
+
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_rank_zero_alone_in_another_exp_dir(tmp_path: Path, variant: str) -> None:
+    """Three ranks: rank 0's exp_dir is another folder (another working directory), ranks 1 and 2 share theirs,
+    so each sees the other there and takes rank 0 for late. Upstream returns after its 5 s sleep; with
+    nemo_safe ranks 1 and 2 wait VOUCHED_WAIT s more for rank 0, then carry on as upstream (before, they
+    waited until the barrier timeout and failed: exp_manager raised BarrierTimeout)."""
+    (tmp_path / "gate").mkdir()  # the three start exp_manager together: ranks 1 and 2 see each other at the grace
+    run = (
+        f"{sys.executable} {WORKER} --nodes 3 --exp-dir {tmp_path / 'shared'} --exp-dir-zero {tmp_path / 'zero'} "
+        f"--gate {tmp_path / 'gate'}"
+    )
+    # A timeout beyond the vouched wait: ending at the timeout would be the bug.
+    results = _tasks(
+        variant, f"22{len(variant)}3", lambda rank: run, tmp_path, world=3, NEMO_SAFE_BARRIER_TIMEOUT="600"
+    )
+    print(f"{variant}: exp_manager seconds " + ", ".join(f"rank {r} {results[r][-1]['seconds']:.1f}" for r in results))
+    assert all(results[r][-1]["status"] == "ok" for r in results), results
+    for rank in (1, 2):
+        seconds = results[rank][-1]["seconds"]
+        bound = SLEEP + (VOUCHED_WAIT if variant == "nemo_safe" else 0) + 15  # a hang guard, not a measurement
+        assert seconds < bound, f"rank {rank} took {seconds:.1f} s, bound {bound:.0f} s"
+        assert results[rank][-1]["log_dir"].startswith(str(tmp_path / "shared")), results[rank]
+        vouched = "every other rank was here" in (tmp_path / f"rank{rank}.err").read_text()
+        assert vouched == (variant == "nemo_safe"), f"rank {rank} must have waited for rank 0 as a late one"
 
 
 @pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])

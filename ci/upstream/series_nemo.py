@@ -13,7 +13,7 @@ from source_edit import EditError, insert_before_def, overlay_file, replace_once
 #: PR 2: what nemo_safe/patches/nemo_resume_upstream.py holds after its imports, verbatim, before check_resume().
 RESUME_UPSTREAM = "patches.nemo_resume_upstream"
 RESUME_IMPORTS = (
-    ("import glob\n", "import glob\nimport itertools\nimport json\n"),
+    ("import glob\n", "import contextlib\nimport glob\nimport itertools\nimport json\n"),
     ("import signal\n", "import signal\nimport socket\n"),
     ("import sys\n", "import sys\nimport threading\n"),
     ("import time\nimport warnings\n", "import time\nimport uuid\nimport warnings\n"),
@@ -191,14 +191,15 @@ exists):
   as now minus the CPU time the thread spent, which is after that exec (a
   rank whose imports waited long on I/O may then take a rank 0 that had
   finished before it looked for an earlier run's, and carry on as today).
-- A rank that saw no rank 0 of this run within seconds_to_sleep carries
-  on as today, with one warning: node-local or otherwise unshared
-  exp_dirs keep working as they do, and no rank ever waits longer than
-  today unless rank 0 of this run is seen working (fit() could not start
-  before it anyway). So does a rank that started more than about 5 s
-  after rank 0 had finished (rank 0's whole start-up shorter than the
-  ranks' start skew): it cannot tell that state from an earlier run's,
-  keeps its own log_dir as today, and rank 0's move is over by then.
+- A rank that saw no rank 0 of this run within seconds_to_sleep carries on
+  as today, with one warning: node-local or otherwise unshared exp_dirs
+  keep working as they do, and no rank ever waits longer than today unless
+  rank 0 of this run is seen working (fit() could not start before it
+  anyway) or every other rank waits there too (below). So does a rank that
+  started more than about 5 s after rank 0 had finished (rank 0's whole
+  start-up shorter than the ranks' start skew): it cannot tell that state
+  from an earlier run's, keeps its own log_dir as today, and rank 0's move
+  is over by then.
 
 Review points on the earlier version (two PRs, arrival files and a "done"
 marker), one by one:
@@ -216,13 +217,25 @@ marker), one by one:
   stopped itself (a suspended job) does not count that time as rank 0's
   silence, and a read that fails once rank 0 was seen (a rename on a FUSE
   mount) is neither absence nor life. The 600 s cap and the 10 s
-  re-listing are gone; the waiting ranks write nothing.
+  re-listing are gone.
 - A late or missing non-zero rank: rank 0 waits for nobody, so no rank
   delays it or makes the others give up.
-- A rank 0 later than seconds_to_sleep is not waited for, with 2 ranks or
-  4,096: nothing in a folder tells a late rank 0 from one that meets
-  elsewhere, and waiting for one that never comes would make a working
-  job hang. Raise seconds_to_sleep where rank 0 is often that late.
+- A rank 0 later than seconds_to_sleep: with more than 2 ranks, each
+  waiting rank creates an empty rank<N>.<time> (its arrival) in the folder
+  and removes it when it returns. A rank that saw no rank 0 by
+  seconds_to_sleep lists the folder once: if every other non-zero rank of
+  this run waits there too (records since this process started, less the 5
+  s skew) and no "done" state is there (an earlier run's, or that of a
+  rank 0 done long before this rank started), rank 0 is late, not meeting
+  elsewhere, and it keeps waiting, at most 120 s more. That is the cost
+  where rank 0 alone checks elsewhere (another working directory, or it
+  could not write its state), the one case where a rank may wait longer
+  than today for nothing. Arrival records are back for this only: nobody
+  waits for them, and rank 0 never reads them. With 2 ranks nothing tells
+  a late rank 0 from one that meets elsewhere: rank 1 carries on after
+  seconds_to_sleep, as today (raise it where rank 0 is often that late);
+  after a torchrun restart (a "done" of the earlier round in the folder)
+  likewise.
 - One PR: the former PRs 2 and 3 are merged, so no API is added and then
   changed; every new name is private; the environment constant is in
   nemo/constants.py; exp_manager.py's typing (Dict, Optional, Tuple) and
@@ -240,29 +253,32 @@ other ranks exist; it exports NEMO_EXPM_RESUME_CHECKED=<its pid>:<call>
 it and skip the sleep, whatever their log_dir. On by default where it
 applies: those are the runs whose fixed sleep is meant to order rank 0's
 move. What stays on disk: .exp_manager/<run>/state, a few hundred bytes
-per run (a killed rank 0 may leave a .state.<hex> temporary).
+per run (a killed rank 0 may leave a .state.<hex> temporary, a killed
+waiting rank its empty rank<N>.<time>).
 
-All in nemo/utils/exp_manager.py (a few lines in exp_manager(), 5
+All in nemo/utils/exp_manager.py (a few lines in exp_manager(), 6
 imports, new private functions before check_resume()) and one constant
 in nemo/constants.py. No new package, option or dependency.
 
-Tested: tests/core/test_exp_manager.py, TestExpManager: twelve tests play
-ranks with torchrun's variables, the other ranks as threads: rank 0 moves
-and releases rank 1; an unversioned rank 1 takes rank 0's version folder
-and skips the sleep; rank 0's OSError reaches rank 1 as RuntimeError; a
-NotFoundError rank 0 meets is rank 1's own NotFoundError; a rank 0 that
-finished before rank 1 looked releases it at once; a beating rank 0 is
-waited for past the silence limit, up to the timeout, then not; a stopped
-one holds nobody after 120 s; a failed read after seconds_to_sleep keeps
-rank 1 waiting for a rank 0 still checking; a state of an earlier run releases
-nobody, even with a failed read in between; the start counted from a
-shell's exec; two ranks not sharing the folder go on after
-seconds_to_sleep; Lightning's launcher. All but the one for ranks not
-sharing the folder fail before this change (most on importing the new
-helpers, which they drive directly with a fake clock).
+Tested: tests/core/test_exp_manager.py, TestExpManager: fourteen tests
+play ranks with torchrun's variables, the other ranks as threads: rank 0
+moves and releases rank 1; an unversioned rank 1 takes rank 0's version
+folder and skips the sleep; rank 0's OSError reaches rank 1 as
+RuntimeError; a NotFoundError rank 0 meets is rank 1's own NotFoundError;
+a rank 0 that finished before rank 1 looked releases it at once; a beating
+rank 0 is waited for past the silence limit, up to the timeout, then not;
+a stopped one holds nobody after 120 s; a failed read after
+seconds_to_sleep keeps rank 1 waiting for a rank 0 still checking; a state
+of an earlier run releases nobody, even with a failed read in between; a
+rank 0 later than seconds_to_sleep is waited for while every other rank
+waits (not without them, nor for an earlier run's record), for at most 120
+s more; the start counted from a shell's exec; two ranks not sharing the
+folder go on after seconds_to_sleep; Lightning's launcher. All but the one
+for ranks not sharing the folder fail before this change (most on
+importing the new helpers, which they drive directly with a fake clock).
 tests/core/test_exp_manager_resume_race.py starts 4 ranks with torchrun on
 a log_dir holding 2000 old files and a last checkpoint, seconds_to_sleep
-10 s, rank 0 entering exp_manager() 6 s late: run_0 must hold exactly the
+3 s, rank 0 entering exp_manager() 6 s late: run_0 must hold exactly the
 old files (before this change the other ranks' log files, written 6 s
 before the move, are archived too), no other rank may see an old file
 after exp_manager() returned, and every rank must resume from the last

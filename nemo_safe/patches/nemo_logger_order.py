@@ -20,7 +20,7 @@ an explicit ``version``, ``explicit_log_dir``, or no dated version) and the trai
 * the other ranks wait for that before running their ``setup``; a failure of rank 0 reaches them
   as :class:`~nemo_safe.errors.RankZeroFailed` (after NeMo's own error, where theirs is the same);
   a rank that sees no rank 0 within :data:`GRACE` (or a stalled one) carries on as upstream, with
-  one warning.
+  one warning (where every other rank is there, after 120 s more: rank 0 is taken for late).
 
 With ``resume_if_exists=False`` and a dated version (the default) rank 0 alone logs into a fresh
 ``log_dir/name/<date>`` and the others into ``log_dir/name``: rank 0 lists nothing of theirs,
@@ -53,7 +53,8 @@ BARRIER_NAME = "nemo_logger"
 #: How long a non-zero rank waits for any sign of rank 0 before carrying on as upstream (the rule of
 #: exp_manager's ordering, whose grace is upstream's own sleep; NeMoLogger has none). Rank 0 is needed
 #: by the next collective step anyway (``init_process_group`` in ``fit``), so a rank 0 that arrives
-#: within it costs nothing; one that never does (node-local log dirs under srun) costs this once.
+#: within it costs nothing; one that never does (node-local log dirs under srun) costs this once
+#: (and 120 s more where every other rank but rank 0 meets in one folder).
 GRACE = 10.0
 #: The environment variable NeMo's ``setup`` reads the version from (``nemo.constants``).
 VERSION_ENV = "NEMO_EXPM_VERSION"

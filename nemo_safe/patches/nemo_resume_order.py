@@ -27,7 +27,9 @@ fixed ``seconds_to_sleep`` (NeMo #7460, #9952, PR #8604). Here, one
   meeting rank 0 there (node-local disks, another working directory, a store
   only some ranks reached): it carries on exactly as upstream does, with one
   warning. With two ranks no other rank can vouch for a late rank 0, so rank 1
-  always does so after that grace. So does every rank where NeMo and the
+  always does so after that grace. Where every other rank is present, rank 0 is
+  taken for late and waited for up to 120 s more (the one wait longer than
+  upstream's for nothing, where rank 0 alone meets elsewhere). So does every rank where NeMo and the
   launcher disagree on which process is rank 0, or the trainer's
   ``num_nodes x devices`` on the number of processes.
 * **Where ranks meet is each rank's own probe of the store** (2 s connect), which

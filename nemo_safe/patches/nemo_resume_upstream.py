@@ -11,6 +11,7 @@ Written in that file's idiom (``Dict`` / ``Optional``, NeMo's ``logging``); the 
 the functions find in ``nemo.utils.exp_manager`` are imported for type checkers only.
 """
 
+import contextlib
 import itertools
 import json
 import os
@@ -29,18 +30,16 @@ if TYPE_CHECKING:  # found in nemo.utils.exp_manager, where these functions run
     from nemo.utils.get_rank import is_global_rank_zero
 
 
-# While check_resume() runs, global rank 0 rewrites its state every _RESUME_ORDER_BEAT s. The others carry on as
-# without ordering once it did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches keep
-# an old view), or once a beating rank 0 has not finished within the process-group timeout: a stopped or cut-off
-# rank 0 that recovers then finds them in fit(), as without ordering.
+# While check_resume() runs, global rank 0 rewrites its state every _RESUME_ORDER_BEAT s. The others carry on as without
+# ordering once it did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches), or once it
+# has not finished within the process-group timeout: a stopped rank 0 that recovers finds them in fit(), as without.
 _RESUME_ORDER_BEAT, _RESUME_ORDER_SILENCE, _RESUME_ORDER_TIMEOUT = 1.0, 120.0, timedelta(minutes=30)
 _RESUME_ORDER_CALLS = itertools.count()  # the n-th multi-rank exp_manager() call of a process meets the others' n-th
 
 
 def _resume_order_run() -> Optional[list]:
-    """What is equal on every rank of this run and differs between concurrent runs: torchrun's store address (bound
-    by one process at a time; a loopback one is per host), else SLURM's job, step and restart count; None elsewhere
-    (nothing is ordered there)."""
+    """What is equal on every rank of this run and differs between concurrent runs: torchrun's store address (bound by
+    one process at a time; a loopback one is per host), else SLURM's job, step and restart count; else None."""
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("MASTER_PORT"):
         address = os.environ.get("MASTER_ADDR", "")
         host = socket.gethostname() if address in ("", "localhost") or address.startswith("127.") else None
@@ -51,10 +50,9 @@ def _resume_order_run() -> Optional[list]:
 
 
 def _process_start_time() -> float:
-    """When this program started (Linux), else now. A torchrun restart or a rerun in the same SLURM step starts
-    after every process of the earlier one ended: a state written well after this time is this run's. A shell runs
-    its last command in its own process (`python train.py; python train.py`), started before the first run; the
-    CPU time this thread spent since (the shell's part is milliseconds) moves the start past that exec."""
+    """When this program started (Linux), else now. A torchrun restart or a rerun in the same SLURM step starts after
+    every process of the earlier one ended: a state written well after this is this run's. A shell execs its last
+    command (`python a.py; python a.py`) in its own process: this thread's CPU time moves the start past that exec."""
     try:
         with open("/proc/self/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -70,8 +68,7 @@ _RESUME_ORDER_STARTED, _RESUME_ORDER_SKEW = _process_start_time(), 5.0  # host c
 
 def _read_resume_state(path: Path) -> Dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
@@ -81,36 +78,38 @@ def _write_resume_state(path: Path, state: Dict[str, Any]) -> None:
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     try:
         temporary.write_text(json.dumps(state), encoding="utf-8")
-        for attempt in range(50):
-            try:
-                os.replace(temporary, path)  # the others read the old state or the new one, never half of one
-                return
-            except PermissionError:  # Windows, while another rank reads the old state: it closes it at once
-                if attempt == 49:
-                    raise
-                time.sleep(0.1)
+        for _ in range(49):
+            with contextlib.suppress(PermissionError):  # Windows, while another rank reads the old state (for ms)
+                return os.replace(temporary, path)  # the others read the old state or the new one, never half of one
+            time.sleep(0.1)
+        os.replace(temporary, path)
     finally:
-        if temporary.exists():
-            temporary.unlink()
+        temporary.unlink(missing_ok=True)
+
+
+def _rank_zero_is_late(meeting_dir: Path, rank: int, world_size: int, phase: Optional[str]) -> bool:
+    """Every other non-zero rank of this run waits in meeting_dir too (a rank<N>.<time> record since this process
+    started, less the skew) and no "done" (an earlier run's, or rank 0's long ago) is there: rank 0 is late."""
+    with contextlib.suppress(OSError):
+        names = [n.partition(".") for n in os.listdir(meeting_dir) if n.startswith("rank")]
+        here = {r for r, _, t in names if t.isdigit() and int(t) > _RESUME_ORDER_STARTED - _RESUME_ORDER_SKEW}
+        return world_size > 2 and phase != "done" and here >= {f"rank{r}" for r in range(1, world_size) if r != rank}
+    return False
 
 
 def _check_resume_first(meeting_dir: Path, run_check_resume: Callable[[], None], version: Optional[str]) -> None:
     """Global rank 0: say that it checks (beating), run check_resume(), then publish how that ended and its version."""
-    state_file = meeting_dir / "state"
+    state_file, stop = meeting_dir / "state", threading.Event()
     who = {"session": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "version": version}
-    stop = threading.Event()
 
     def publish(**fields) -> None:
         _write_resume_state(state_file, {**who, "time": time.time(), **fields})
 
     def beat() -> None:
-        for n in itertools.count(1):
-            if stop.wait(_RESUME_ORDER_BEAT):
-                return
-            try:
-                publish(phase="checking", beat=n)
-            except Exception:  # one lost beat; the others give up only after _RESUME_ORDER_SILENCE
-                pass
+        beats = itertools.count(1)
+        while not stop.wait(_RESUME_ORDER_BEAT):
+            with contextlib.suppress(Exception):  # one lost beat; the others give up only after _RESUME_ORDER_SILENCE
+                publish(phase="checking", beat=next(beats))
 
     try:
         publish(phase="checking", beat=0)
@@ -143,58 +142,64 @@ def _wait_for_rank_zero(
     timeout: timedelta = _RESUME_ORDER_TIMEOUT,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    world_size: int = 2,
 ) -> Optional[Dict[str, Any]]:
     """A non-zero rank: wait until global rank 0 of this run finished check_resume(); return its state (its error
-    included). None if no rank 0 of this run showed up within grace seconds (it is late, or it meets elsewhere: a
-    node-local disk, another working directory) or it stopped showing progress: the rank then carries on as without
-    this wait."""
+    included). None if no rank 0 of this run came within grace seconds (it meets elsewhere), or _RESUME_ORDER_SILENCE
+    s more if it is late, or it stopped showing progress: the rank then carries on as without this wait."""
     logging.info(f"Rank {rank} waits for global rank 0 to check {meeting_dir.parent.parent} for resuming")
-    state_file, live_sessions = meeting_dir / "state", set()
+    arrival, state_file, live_sessions = meeting_dir / f"rank{rank}.{time.time():.0f}", meeting_dir / "state", set()
     started = noted = polled = clock()
-    first_seen = changed = last = None
-    delay = 0.01
-    while True:
-        state, now = _read_resume_state(state_file), clock()
-        if changed is not None and now - polled > 10:  # this rank was stopped itself: not rank 0's silence
-            changed, first_seen = now, first_seen + (now - polled)
-        polled, seen = now, (state.get("session"), state.get("phase"), state.get("beat"))
-        if state and last is not None and seen != last:  # only a live rank 0 changes its state: this run's
-            live_sessions.add(state.get("session"))
-            changed = now
-        last = seen if state else last  # a failed read is no change
-        written = state.get("time")
-        this_run = bool(state) and (
-            state.get("session") in live_sessions
-            or (isinstance(written, (int, float)) and written > _RESUME_ORDER_STARTED + _RESUME_ORDER_SKEW)
-        )
-        if this_run and state.get("phase") == "done":
-            logging.info(f"Rank {rank}: global rank 0 checked {meeting_dir.parent.parent} ({now - started:.1f} s)")
-            return state
-        if this_run:
-            first_seen = now if first_seen is None else first_seen
-            changed, known = now if changed is None else changed, state
-        if first_seen is not None:  # then a failed read is no absence, but no sign of life either
-            if now - changed >= _RESUME_ORDER_SILENCE or now - first_seen >= timeout.total_seconds():
-                logging.warning(
-                    f"Rank {rank}: global rank 0 (host {known.get('host')}, pid {known.get('pid')}) has not finished "
-                    f"checking {meeting_dir.parent.parent} for resuming: its state in {meeting_dir} last changed "
-                    f"{now - changed:.0f} s ago, {now - first_seen:.0f} s after this rank first saw it (stopped, cut "
-                    "off from the folder, or stuck in a filesystem call); continuing as without waiting for it"
-                )
-                return None
-        elif now - started >= grace:
-            logging.warning(
-                f"Rank {rank} saw no global rank 0 of this run in {meeting_dir} within seconds_to_sleep ({grace} s): "
-                "it is later, finished before this rank started, or uses another exp_dir (not shared between nodes); "
-                "continuing as without waiting for it"
+    first_seen = changed = last = vouched = None
+    try:
+        if world_size > 2:  # the others see that it waits here (unseen, it vouches for nobody)
+            with contextlib.suppress(OSError):
+                arrival.touch()
+        for polls in itertools.count():
+            state, now = _read_resume_state(state_file), clock()
+            if changed is not None and now - polled > 10:  # this rank was stopped itself: not rank 0's silence
+                changed, first_seen = now, first_seen + (now - polled)
+            polled, seen = now, (state.get("session"), state.get("phase"), state.get("beat"))
+            if state and last is not None and seen != last:  # only a live rank 0 changes its state: this run's
+                live_sessions.add(state.get("session"))
+                changed = now
+            last = seen if state else last  # a failed read is no change
+            written = state.get("time")
+            this_run = bool(state) and (
+                state.get("session") in live_sessions
+                or (isinstance(written, (int, float)) and written > _RESUME_ORDER_STARTED + _RESUME_ORDER_SKEW)
             )
-            return None
-        if now - noted >= 30:
-            noted = now
-            doing = "is checking" if first_seen is not None else "has not come yet"
-            logging.info(f"Rank {rank} still waits for global rank 0, which {doing} ({now - started:.0f} s)")
-        sleep(delay)
-        delay = min(2 * delay, 1.0)
+            if this_run and state.get("phase") == "done":
+                logging.info(f"Rank {rank}: global rank 0 checked {meeting_dir.parent.parent} ({now - started:.1f} s)")
+                return state
+            if this_run:
+                first_seen = now if first_seen is None else first_seen
+                changed, known = now if changed is None else changed, state
+            if first_seen is not None:  # then a failed read is no absence, but no sign of life either
+                if now - changed >= _RESUME_ORDER_SILENCE or now - first_seen >= timeout.total_seconds():
+                    logging.warning(
+                        f"Rank {rank}: global rank 0 (host {known.get('host')}, pid {known.get('pid')}) has not "
+                        f"finished checking {meeting_dir.parent.parent}: its state last changed {now - changed:.0f} s "
+                        f"ago, {now - first_seen:.0f} s after it was first seen (stopped, cut off or stuck); going on"
+                    )
+                    return None
+            elif now - started >= grace:
+                vouched = (
+                    _rank_zero_is_late(meeting_dir, rank, world_size, last and last[1]) if vouched is None else vouched
+                )
+                if not vouched or now - started >= grace + _RESUME_ORDER_SILENCE:
+                    logging.warning(
+                        f"Rank {rank} saw no global rank 0 of this run in {meeting_dir} in {now - started:.0f} s "
+                        "(later, done before this rank started, or in an exp_dir not shared); going on without it"
+                    )
+                    return None
+            if now - noted >= 30:
+                noted, doing = now, ("is checking" if first_seen is not None else "has not come yet")
+                logging.info(f"Rank {rank} still waits for global rank 0, which {doing} ({now - started:.0f} s)")
+            sleep(min(0.01 * 2 ** min(polls, 7), 1.0))
+    finally:
+        with contextlib.suppress(OSError):  # Windows, while another rank reads it
+            arrival.unlink(missing_ok=True)
 
 
 def _check_resume_in_order(
@@ -242,7 +247,7 @@ def _check_resume_in_order(
     started = time.monotonic()
     timeout = getattr(trainer.strategy, "_timeout", None)  # DDPStrategy(timeout=...)
     timeout = timeout if isinstance(timeout, timedelta) else _RESUME_ORDER_TIMEOUT
-    state = _wait_for_rank_zero(meeting_dir, trainer.global_rank, cfg.seconds_to_sleep, timeout)
+    state = _wait_for_rank_zero(meeting_dir, trainer.global_rank, cfg.seconds_to_sleep, timeout, world_size=world_size)
     if state is None:
         run_check_resume(log_dir)
         return max(0.0, cfg.seconds_to_sleep - (time.monotonic() - started)), log_dir, version

@@ -285,6 +285,59 @@ class TestExpManager:
         assert 5 <= now[0] <= 7 and [p.name for p in tmp_path.iterdir()] == ["state"]
 
     @pytest.mark.unit
+    def test_resume_order_late_rank_zero_is_waited_for_while_every_other_rank_waits(self, tmp_path):
+        """Rank 0 of 3 comes after seconds_to_sleep (a slower start): rank 2 waiting in the folder too shows that rank 0
+        is late, not meeting elsewhere, so rank 1 keeps waiting for it. Without rank 2, with a record an earlier run's
+        rank 2 left, or after an earlier run's "done", rank 1 carries on after seconds_to_sleep, as without ordering
+        (fake clock)."""
+        import time
+
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        earlier, seen_waiting = exp_manager_module._RESUME_ORDER_STARTED - 60, []
+
+        def rank_zero_from_30_s(now):
+            seen_waiting.append(len(list(tmp_path.glob("rank1.*"))))
+            if now >= 30:
+                phase = {"phase": "checking", "beat": int(now)} if now < 40 else {"phase": "done", "error": None}
+                (tmp_path / "state").write_text(json.dumps({"session": "s", "time": time.time(), **phase}))
+
+        cases = ((time.time(), None, True), (None, None, False), (earlier, None, False), (time.time(), "done", False))
+        for rank_two, earlier_phase, waited in cases:
+            for path in tmp_path.iterdir():
+                path.unlink()
+            if rank_two is not None:
+                (tmp_path / f"rank2.{rank_two:.0f}").touch()
+            if earlier_phase is not None:
+                state = {"session": "old", "phase": earlier_phase, "error": None, "time": earlier}
+                (tmp_path / "state").write_text(json.dumps(state))
+            seen_waiting.clear()
+            clock, sleep, now = self._fake_time(rank_zero_from_30_s)
+            state = _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep, world_size=3)
+            if waited:
+                assert state["phase"] == "done" and 40 <= now[0] <= 42
+            else:
+                assert state is None and 5 <= now[0] <= 7
+            assert set(seen_waiting) == {1} and not list(tmp_path.glob("rank1*"))  # its record while it waits only
+
+    @pytest.mark.unit
+    def test_resume_order_late_rank_zero_is_waited_for_a_bounded_time(self, tmp_path):
+        """Every other rank waits in the folder but rank 0 never comes (it checked elsewhere): rank 1 carries on
+        _RESUME_ORDER_SILENCE s after seconds_to_sleep, as without ordering (fake clock)."""
+        import time
+
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        for rank in (2, 3):
+            (tmp_path / f"rank{rank}.{time.time():.0f}").touch()
+        clock, sleep, now = self._fake_time()
+        assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep, world_size=4) is None
+        silence = exp_manager_module._RESUME_ORDER_SILENCE
+        assert 5 + silence <= now[0] <= 7 + silence
+
+    @pytest.mark.unit
     def test_resume_order_counts_from_the_exec_of_a_shell(self, monkeypatch):
         """A shell runs its last command in its own process (`python train.py; python train.py`), which started before
         the first run: this run starts no earlier than now minus the CPU time this thread spent (fake clocks)."""

@@ -23,11 +23,12 @@ they still see the old files in ``log_dir`` and then watch them vanish, and rank
 the current run has already written (for example the per-rank log files) into ``run_0``.
 
 The test starts 4 ranks with the real ``torchrun`` on a ``log_dir`` that a previous run left behind
-(2000 old files and a last checkpoint), with ``seconds_to_sleep`` 10 s. All ranks line up at a start
-gate after their imports, then rank 0 sleeps 6 s before calling ``exp_manager``. The fixed sleep
-holds the other ranks for longer than that, but only at the end of ``exp_manager``: each of them
-writes its per-rank log file into ``log_dir`` (``NEMO_TESTING``) 6 s before rank 0 even starts to
-move, so without a real ordering rank 0 always archives them into ``run_0`` (#9952). The failure is
+(2000 old files and a last checkpoint), with ``seconds_to_sleep`` 3 s. All ranks line up at a start
+gate after their imports, then rank 0 sleeps 6 s before calling ``exp_manager``, longer than
+``seconds_to_sleep``: the other ranks each write their per-rank log file into ``log_dir``
+(``NEMO_TESTING``) 6 s before rank 0 even starts to move, so without a real ordering rank 0 always
+archives them into ``run_0`` (#9952), and with one they keep the order only because every one of
+them waits in the meeting folder (rank 0 is late, not elsewhere). The failure is
 deterministic by construction and needs no timing threshold. With the move ordered (rank 0 first,
 the other ranks after it), ``run_0`` holds exactly the old files, no non-zero rank sees an old file
 after ``exp_manager`` returned, and every rank resumes from the last checkpoint.
@@ -55,8 +56,8 @@ WORLD_SIZE = 4
 OLD_FILES = 2000
 OLD_PREFIX = "old_"
 LAST_CKPT = "model--step=2-last.ckpt"
-# Rank 0 is that late, within seconds_to_sleep: the others wait for it (fit() would, too).
-RANK0_DELAY, SECONDS_TO_SLEEP = 6.0, 10.0
+# Rank 0 is later than seconds_to_sleep: the others keep waiting for it because they all wait in the folder.
+RANK0_DELAY, SECONDS_TO_SLEEP = 6.0, 3.0
 # Hang guard only: 4 NeMo imports on a small CPU machine take well under a minute.
 HANG_GUARD = 600
 RANK0_DONE = "rank0_done"
