@@ -134,7 +134,7 @@ class Waiter:
             return
         b = self.b
         if self.vouched_until is not None:
-            if time.monotonic() >= min(self.vouched_until, self.deadline):
+            if time.monotonic() >= self._gives_up_at():
                 ended = "its timeout" if self.deadline <= self.vouched_until else f"{VOUCHED_WAIT:g} s past the grace"
                 raise RankZeroAbsent(
                     f"{b.where()}: rank {b.rank} waited {self.progress.elapsed:.1f} s ({ended}) and rank 0 never "

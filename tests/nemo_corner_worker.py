@@ -49,10 +49,7 @@ def main() -> int:
     trainer = pl.Trainer(**demo.cpu_trainer_kwargs(1, args.nodes))
     result: dict = {"rank": ident.rank, "pid": os.getpid(), "ppid": os.getppid(), "patched": bool(nemo_safe.active())}
     if args.gate:
-        Path(args.gate, str(ident.rank)).touch()
-        deadline = time.monotonic() + 240  # a hang guard only
-        while len(list(Path(args.gate).iterdir())) < ident.world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
+        demo.start_gate(Path(args.gate), ident.rank, ident.world_size, "imported", timeout=240)
     time.sleep(args.delay)
     started = time.monotonic()
     try:
