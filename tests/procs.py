@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from nemo_safe.cluster_identity import without_launchers
 
@@ -102,6 +104,20 @@ def wait_for_files(directory: Path, names: list[str], timeout: float) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"{names} did not appear in {directory} within {timeout} s")
+
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], what: str, timeout: float) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that value: a caller that needs it
+    must not compute it again, the state may have moved on (a second upstream download truncating the file
+    the first one wrote, CI of f7b1c80)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return value
 
 
 FLIGHT_WORKER = str(HERE / "flight_worker.py")

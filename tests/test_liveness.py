@@ -36,7 +36,7 @@ from nemo_safe.thread_progress import ThreadProgress
 from nemo_safe_tools.download_race import read_results
 from nemo_safe_tools.loopback_mirror import LoopbackMirror
 
-from procs import clean_env, finish_flights, start_flights, torchrun_env
+from procs import clean_env, finish_flights, start_flights, torchrun_env, wait_until
 
 __all__ = ["mnist", "reference", "weights"]  # fixtures shared with the torchvision and torch.hub tests
 
@@ -46,11 +46,8 @@ HANG_GUARD = 120
 STUCK_WARNING = "is alive but its work made no progress"
 
 
-def _wait_for(predicate, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+def _wait_for(predicate, what: str, timeout: float = 120):
+    return wait_until(predicate, what, timeout)
 
 
 def _other_host(name: str, cmd: list[str]) -> list[str]:
@@ -209,8 +206,7 @@ def test_leader_killed_by_sigterm_is_taken_over_at_once_from_another_host(
     with throttled(mnist, seconds=4.0) as mirror:
         procs = _members_on_two_hosts(root, tmp_path / "res", mirror.url, disable)
         try:
-            _wait_for(lambda: downloader() is not None, "no download in progress was seen")
-            victim = downloader()
+            victim = _wait_for(downloader, "no download in progress was seen")
             time.sleep(1.5)
             os.kill(victim, signal.SIGTERM)
             sent = time.time()

@@ -24,18 +24,15 @@ from test_torchvision_downloads import (
 
 from nemo_safe_tools.download_race import read_results
 
-from procs import finish_flights, start_flights
+from procs import finish_flights, start_flights, wait_until
 
 __all__ = ["mnist", "reference"]  # fixtures shared with the torchvision tests
 
 HANG_GUARD = 300
 
 
-def _wait_for(predicate, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+def _wait_for(predicate, what: str, timeout: float = 60):
+    return wait_until(predicate, what, timeout)
 
 
 @pytest.mark.parametrize("resume", ["while the new leader works", "after the new leader finished"])
@@ -76,8 +73,7 @@ def test_stopped_mnist_downloader_is_deposed_and_waits(tmp_path: Path, mnist, re
 
     with throttled(mnist, seconds=20.0) as mirror:
         procs = _local_members(3, tmp_path / "root", tmp_path / "res", mirror.url, NEMO_SAFE_STALE_AFTER="2")
-        _wait_for(downloaders, "no download in progress was seen")
-        (stalled,) = downloaders()
+        (stalled,) = _wait_for(downloaders, "no download in progress was seen")
         time.sleep(0.5)
         os.kill(stalled, signal.SIGSTOP)
         try:
