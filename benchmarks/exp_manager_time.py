@@ -2,9 +2,10 @@
 
 Two configurations (NeMo's defaults on a fresh start; a resume with 2,000 old
 files in log_dir, ``--old-files``) under two launchers (a real ``torchrun
---standalone --nproc-per-node 4``, which meets in the elastic agent's store,
-and a real ``srun -N2 --ntasks-per-node=4``, which meets in a shared
-directory). Every rank enters exp_manager at one common wall-clock instant
+--standalone --nproc-per-node 4`` and a real ``srun -N2 --ntasks-per-node=4``;
+since 2026-12-05 both meet in ``.exp_manager/`` of the shared directory, the
+upstream PR's way; before, torchrun met in the elastic agent's store).
+Every rank enters exp_manager at one common wall-clock instant
 (see ``exp_manager_member.py``); rank 0 is not delayed (the demo and the tests
 show the late-rank-0 race): this is the cost every healthy start pays.
 
@@ -13,7 +14,8 @@ seconds (median, max), their excess over rank 0's of the same launch
 (relative: rank r's seconds minus rank 0's), and how much later than rank 0
 they left exp_manager (end minus rank 0's end); upstream / nemo_safe ratios.
 Table 2 (nemo_safe): where the time goes, from timestamps the member takes
-around the barrier calls; and the start spread of the earlier 50 ms-poll gate
+around the barrier calls (``nan`` since exp_manager runs the upstream PR's
+code, not the barrier); and the start spread of the earlier 50 ms-poll gate
 against the common instant.
 
 Run: .venv/bin/python benchmarks/exp_manager_time.py [--rounds 3] [--no-slurm] [--old-files 2000] [--per-node 4]

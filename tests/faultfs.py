@@ -8,6 +8,8 @@
   file over it between the reader's open and read.
 * ``--eio-seconds S``: from the first such read or listing on, they fail with EIO for
   S seconds (a server failover seen by one client).
+* ``--rename-delay S``: every rename takes S seconds more (a slow metadata server: a move of
+  many files that lasts).
 
 Runs in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``).
 """
@@ -30,8 +32,11 @@ LOCK_FOLDER = "/.nemo_safe/"
 class FaultFS(Operations):
     use_ns = True
 
-    def __init__(self, root: str, no_link: bool, estale_every: int, eio_seconds: float) -> None:
+    def __init__(
+        self, root: str, no_link: bool, estale_every: int, eio_seconds: float, rename_delay: float = 0.0
+    ) -> None:
         self.root = os.path.realpath(root)
+        self.rename_delay = rename_delay
         self.no_link = no_link
         self.estale_every = estale_every
         self.eio_seconds = eio_seconds
@@ -107,6 +112,7 @@ class FaultFS(Operations):
         return self._call(os.symlink, source, self._full(target))
 
     def rename(self, old: str, new: str) -> int:
+        time.sleep(self.rename_delay)
         return self._call(os.replace, self._full(old), self._full(new))
 
     def link(self, target: str, source: str) -> int:
@@ -160,8 +166,9 @@ def main() -> None:
     p.add_argument("--no-link", action="store_true")
     p.add_argument("--estale-every", type=int, default=0)
     p.add_argument("--eio-seconds", type=float, default=0.0)
+    p.add_argument("--rename-delay", type=float, default=0.0)
     args = p.parse_args()
-    ops = FaultFS(args.root, args.no_link, args.estale_every, args.eio_seconds)
+    ops = FaultFS(args.root, args.no_link, args.estale_every, args.eio_seconds, args.rename_delay)
     # direct_io: every read reaches this process (no page cache hides a fault); no attribute cache either.
     mfusepy.FUSE(ops, args.mountpoint, foreground=True, nothreads=False, direct_io=True, attr_timeout=0,
                  entry_timeout=0, negative_timeout=0)  # fmt: skip

@@ -7,14 +7,18 @@ each case costs four NeMo imports (7-10 s each). The barrier-level versions are 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_filesystem_faults import faultfs  # noqa: F401  (the FUSE fixture)
 
-from nemo_safe.barrier_waiter import VOUCHED_WAIT
+from nemo_safe.patches.nemo_resume_upstream import _RESUME_ORDER_SILENCE as VOUCHED_WAIT
+from nemo_safe_tools.demo import make_old_log_dir
 
 from procs import clean_env, slurm_env
 
@@ -25,10 +29,9 @@ TIMEOUT = "60"
 SLEEP = 5.0  # exp_manager's seconds_to_sleep, upstream's fixed wait and nemo_safe's grace
 
 
-def _tasks(variant: str, job: str, command, logs: Path, world: int = 2, **more: str) -> dict[int, list[dict]]:
-    """``world`` tasks of one step, each running ``command(rank)`` (a shell line); their JSON lines by rank
-    (their stderr, nemo_safe's barrier log at debug level included, in ``logs/rank<r>.err``). ``more``:
-    more environment variables."""
+def _start_tasks(variant: str, job: str, command, world: int = 2, **more: str) -> dict[int, subprocess.Popen]:
+    """``world`` tasks of one step, each running ``command(rank)`` (a shell line). ``more``: more environment
+    variables."""
     procs = {}
     for rank in range(world):
         extra = {"NEMO_SAFE_BARRIER_TIMEOUT": TIMEOUT, **more}
@@ -39,6 +42,13 @@ def _tasks(variant: str, job: str, command, logs: Path, world: int = 2, **more: 
         env = clean_env(**{**slurm_env(rank, world, job), **nodes}, **extra)
         procs[rank] = subprocess.Popen(["bash", "-c", command(rank)], env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return procs
+
+
+def _tasks(variant: str, job: str, command, logs: Path, world: int = 2, **more: str) -> dict[int, list[dict]]:
+    """:func:`_start_tasks`, then their JSON lines by rank (their stderr, nemo_safe's barrier log at debug level
+    included, in ``logs/rank<r>.err``)."""
+    procs = _start_tasks(variant, job, command, world, **more)
     results = {}
     for rank, proc in procs.items():
         try:
@@ -66,20 +76,23 @@ def test_two_ranks_with_different_exp_dirs(tmp_path: Path, variant: str) -> None
     assert r0["patched"] == r1["patched"] == (variant == "nemo_safe")
     assert r1["seconds"] < SLEEP + 10, f"rank 1 must return within the grace + 10 s, took {r1['seconds']:.1f}"
     assert r1["log_dir"].startswith(str(tmp_path / "b")), r1
+    # Visible on rank 1, whose NeMo logger prints nothing (no NEMO_TESTING): nemo_safe's logger says it too.
+    said = "going on without it" in (tmp_path / "rank1.err").read_text()
+    assert said == (variant == "nemo_safe"), (tmp_path / "rank1.err").read_text()[-2000:]
 
 
 @pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
 def test_rank_zero_alone_in_another_exp_dir(tmp_path: Path, variant: str) -> None:
     """Three ranks: rank 0's exp_dir is another folder (another working directory), ranks 1 and 2 share theirs,
     so each sees the other there and takes rank 0 for late. Upstream returns after its 5 s sleep; with
-    nemo_safe ranks 1 and 2 wait VOUCHED_WAIT s more for rank 0, then carry on as upstream (before, they
-    waited until the barrier timeout and failed: exp_manager raised BarrierTimeout)."""
+    nemo_safe (the series' code) ranks 1 and 2 wait VOUCHED_WAIT s more for rank 0, then carry on as upstream
+    (before 2026-12-05 they waited until the barrier timeout and failed: exp_manager raised BarrierTimeout)."""
     (tmp_path / "gate").mkdir()  # the three start exp_manager together: ranks 1 and 2 see each other at the grace
     run = (
         f"{sys.executable} {WORKER} --nodes 3 --exp-dir {tmp_path / 'shared'} --exp-dir-zero {tmp_path / 'zero'} "
         f"--gate {tmp_path / 'gate'}"
     )
-    # A timeout beyond the vouched wait: ending at the timeout would be the bug.
+    # A barrier timeout beyond the vouched wait: ending at it would be the old bug.
     results = _tasks(
         variant, f"22{len(variant)}3", lambda rank: run, tmp_path, world=3, NEMO_SAFE_BARRIER_TIMEOUT="600"
     )
@@ -90,8 +103,45 @@ def test_rank_zero_alone_in_another_exp_dir(tmp_path: Path, variant: str) -> Non
         bound = SLEEP + (VOUCHED_WAIT if variant == "nemo_safe" else 0) + 15  # a hang guard, not a measurement
         assert seconds < bound, f"rank {rank} took {seconds:.1f} s, bound {bound:.0f} s"
         assert results[rank][-1]["log_dir"].startswith(str(tmp_path / "shared")), results[rank]
-        vouched = "every other rank was here" in (tmp_path / f"rank{rank}.err").read_text()
+        vouched = seconds >= SLEEP + VOUCHED_WAIT  # ranks 1 and 2 saw each other: rank 0 was taken for late
         assert vouched == (variant == "nemo_safe"), f"rank {rank} must have waited for rank 0 as a late one"
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_rank_zero_killed_by_sigterm_while_it_moves(faultfs, tmp_path: Path, variant: str) -> None:  # noqa: F811
+    """Rank 0 gets SIGTERM (scancel, preemption) while it moves the earlier run's 300 files into run_0 (a FUSE
+    mount whose renames take 0.2 s: a slow metadata server). It dies of the signal as upstream's does; with
+    nemo_safe its state says so first, and rank 1 raises rank 0's error within seconds, from any host, instead of
+    waiting out the silence limit. Upstream, rank 1 returned after its fixed sleep, as if rank 0 were fine."""
+    exp_dir = faultfs("--rename-delay", "0.2")
+    make_old_log_dir(exp_dir / "log", 300)
+    (tmp_path / "gate").mkdir()
+    run = (
+        f"{sys.executable} {WORKER} --exp-dir {exp_dir} --explicit-log-dir --resume lenient "
+        f"--gate {tmp_path / 'gate'}"
+    )
+    procs = _start_tasks(variant, f"23{len(variant)}1", lambda rank: run)
+    archive = exp_dir / "log" / "run_0"
+    deadline = time.monotonic() + HANG_GUARD
+    while not (archive.is_dir() and len(os.listdir(archive)) >= 3):
+        assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 never started moving"
+        time.sleep(0.05)
+    procs[0].send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, err = procs[1].communicate(timeout=HANG_GUARD)
+    rank1_ended = time.monotonic() - sent
+    procs[0].communicate(timeout=HANG_GUARD)
+    assert procs[0].returncode == -signal.SIGTERM, "rank 0 dies of the signal, as upstream's does"
+    (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    print(f"{variant}: rank 1 {result['status']} {rank1_ended:.1f} s after the signal")
+    if variant == "nemo_safe":
+        assert result["status"] == "error" and result["error_type"] == "RuntimeError", (result, err[-3000:])
+        assert "SIGTERM" in result["error"] and "global rank 0" in result["error"], result
+        assert rank1_ended < 15, f"rank 1 took {rank1_ended:.1f} s to notice (a hang guard, not a measurement)"
+    else:
+        assert result["status"] == "ok", (result, err[-3000:])
+    assert len(os.listdir(archive)) < 300, "rank 0 was killed in the middle of its move"
 
 
 @pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from nemo_safe import node_copy
 from nemo_safe_tools.demo import make_old_log_dir, old_file_contents, read_results
 
 from procs import clean_env
@@ -59,28 +57,13 @@ def _old_log_dir(tmp: Path) -> dict[str, str]:
     return {name: hashlib.sha256(data).hexdigest() for name, data in old_file_contents(OLD_FILES).items()}
 
 
-def _node_copies_of(log_dir: Path) -> list[dict]:
-    """The node copies (nemo_safe/node_copy.py) whose reader copied rank 0's outcome for ``log_dir``."""
-    folder = Path(node_copy.COPY_ROOT, f"nemo_safe-{os.getuid()}")
-    envelopes = []
-    for path in folder.iterdir() if folder.is_dir() else []:
-        try:  # other barriers' copies and temporaries may come and go meanwhile
-            envelopes.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return [e for e in envelopes if ((e.get("state") or {}).get("payload") or {}).get("log_dir") == str(log_dir)]
-
-
-def test_resume_race_is_gone_with_node_copies(slurm_cluster, tmp_path: Path) -> None:
-    """The resume race (8 ranks, rank 0 6 s late on 2,000 old files) with one reader per node forced on (the
-    default from 45 ranks; this 2-node cluster shares one /dev/shm, so both readers write one copy). The
-    defaults (the flat barrier) and the upstream twin are cases of the srun matrix
-    (test_exp_manager_matrix.py), which runs the same race in one job."""
+def test_resume_race_is_gone_through_the_series_code(slurm_cluster, tmp_path: Path) -> None:
+    """The resume race (8 ranks, rank 0 6 s late on 2,000 old files) ordered by the code of NeMo pull request 2
+    (nemo_safe/patches/nemo_resume_core.py): the ranks meet where the series meets them, in
+    log_dir/.exp_manager/<run>/, whose "state" says done, and nothing of nemo_safe's own barrier is on disk.
+    The upstream twin and the defaults are cases of the srun matrix (test_exp_manager_matrix.py)."""
     digests = _old_log_dir(tmp_path)
-    results = srun("race", tmp_path, "--rank0-delay", "6", NEMO_SAFE_NODE_COPY="1")
-    copied = _node_copies_of(tmp_path / "log")
-    assert copied, "with copies forced on, a reader copies rank 0's outcome for this log_dir"
-    assert all(e["final"] and e["state"]["phase"] == "done" for e in copied), copied
+    results = srun("race", tmp_path, "--rank0-delay", "6")
     assert sorted(results) == list(range(8)), results
     assert all(r["status"] == "ok" for r in results.values()), results
     for rank in range(1, 8):
@@ -93,8 +76,12 @@ def test_resume_race_is_gone_with_node_copies(slurm_cluster, tmp_path: Path) -> 
     assert all(hashlib.sha256((run0 / n).read_bytes()).hexdigest() == d for n, d in digests.items())
     logs = sorted(p.name for p in (tmp_path / "log").glob("nemo_log_globalrank-*"))
     assert len(logs) == 8, f"eight tasks must write eight distinct log files, got {logs}"
-    # The hidden directory stays (empty): removing it would make an entry vanish under the other ranks.
-    assert list((tmp_path / "log" / ".nemo_safe").iterdir()) == [], "the barrier must leave no files behind"
+    (meeting,) = (tmp_path / "log" / ".exp_manager").iterdir()
+    state = json.loads((meeting / "state").read_text())
+    assert state["phase"] == "done" and state["error"] is None, state
+    records = [p.name for p in meeting.iterdir() if p.name.startswith("rank")]
+    assert records == [], f"every waiting rank removes its arrival record: {records}"
+    assert not (tmp_path / "log" / ".nemo_safe").exists(), "exp_manager no longer uses nemo_safe's own barrier"
 
 
 def test_train_then_resume_twice(slurm_cluster, tmp_path: Path) -> None:
@@ -139,17 +126,28 @@ def test_task_killed_before_exp_manager(slurm_cluster, tmp_path: Path) -> None:
 
 
 def test_read_only_log_dir(slurm_cluster, tmp_path: Path) -> None:
-    _old_log_dir(tmp_path)
-    log = tmp_path / "log"
-    subprocess.run(["mount", "--bind", "-o", "ro", str(log), str(log)], check=True)
-    try:
-        # One task per node (a trainer of 2 nodes x 1 device): the check is per rank, 8 NeMo imports add nothing.
-        results = srun("race", tmp_path, "--devices", "1", per_node=1, NEMO_SAFE_BARRIER_TIMEOUT="60")
-    finally:
-        subprocess.run(["umount", str(log)], check=True)
-    assert sorted(results) == [0, 1], results
-    for res in results.values():
-        assert res["error_type"] == "ConfigurationError" and "not writable" in res["error"], res
+    """A read-only log_dir holding an earlier run's files: the ranks cannot meet there (the series warns and runs
+    check_resume() unordered), so each rank ends exactly as upstream's does: rank 0 with NeMo's own OSError
+    from its move, within the step's hang guard."""
+    outcomes = {}
+    for variant, env in (("upstream", {"NEMO_SAFE_DISABLE": "1"}), ("nemo_safe", {})):
+        case = tmp_path / variant
+        case.mkdir()
+        _old_log_dir(case)
+        log = case / "log"
+        subprocess.run(["mount", "--bind", "-o", "ro", str(log), str(log)], check=True)
+        try:
+            # One task per node (a trainer of 2 nodes x 1 device): 2 NeMo imports per step.
+            stderr: list[str] = []
+            results = srun("race", case, "--devices", "1", per_node=1, stderr=stderr, **env)
+        finally:
+            subprocess.run(["umount", str(log)], check=True)
+        assert sorted(results) == [0, 1], (variant, results)
+        outcomes[variant] = {rank: (res["status"], res.get("error_type")) for rank, res in results.items()}
+        if variant == "nemo_safe":
+            assert "Ranks cannot meet in" in stderr[0], stderr[0][-3000:]
+    assert outcomes["upstream"][0] == ("error", "OSError"), outcomes
+    assert outcomes["nemo_safe"] == outcomes["upstream"], outcomes
 
 
 @pytest.mark.parametrize(

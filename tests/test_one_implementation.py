@@ -5,7 +5,9 @@ For torchvision: the series' text of each function or class equals the overlay's
 test reads the committed patches themselves), and at run time the overlay executes those code
 objects: a real single flight between two processes' worth of threads, profiled, runs
 ``_DownloadLock``'s own methods; MNIST's download wrapper and the atomic downloads are the
-upstream functions' code objects. (NeMo's ordering is not yet one implementation: issue 23.)
+upstream functions' code objects. For NeMo: the series' text of each function of the resume ordering
+equals ``nemo_resume_upstream``'s, and the overlay's exp_manager ordering runs those code objects
+(``nemo_resume_core``); the real srun runs of it are in test_nemo_exp_manager.py and the matrix.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from nemo_safe import download_lock
-from nemo_safe.patches import torchvision_mnist_upstream, torchvision_upstream
+from nemo_safe.patches import nemo_resume_core, nemo_resume_upstream, torchvision_mnist_upstream, torchvision_upstream
 from nemo_safe.single_flight import SingleFlight
+from nemo_safe.version_gate import STRUCTURE, VERIFIED
 
 REPO = Path(__file__).resolve().parents[1]
 #: The protocol every SingleFlight runs from _DownloadLock (the overlay overrides small methods around them).
@@ -112,3 +115,29 @@ def test_atomic_downloads_run_the_upstream_functions() -> None:
     shared = torchvision_downloads.shared_functions(utils)
     for name in ("_urlretrieve", "_decompress", "_atomic_extractor"):
         assert shared[name].__code__ is getattr(torchvision_upstream, name).__code__, name
+
+
+@pytest.mark.parametrize("name", [*nemo_resume_core.CORE, "_write_resume_state", "_resume_order_run"])
+def test_the_nemo_series_carries_the_overlay_source(name: str) -> None:
+    source = inspect.getsource(getattr(nemo_resume_upstream, name))
+    added = _added_source("nemo", "nemo/utils/exp_manager.py")
+    assert source in added, f"{name}: the series' text differs from nemo_resume_upstream's"
+
+
+def test_exp_manager_ordering_runs_the_series_functions() -> None:
+    """The overlay orders exp_manager with the series' code objects: get_log_dir's ordering is the series'
+    _check_resume_in_order running in nemo.utils.exp_manager, and each function it calls by name is the
+    series' too (or the overlay's helper around the series' writer, and exp_manager's own check_resume)."""
+    exp_manager = pytest.importorskip("nemo.utils.exp_manager")  # nemo_safe is imported: it is patched now
+    from nemo_safe.patches import nemo_exp_manager
+
+    verdict = nemo_exp_manager.GATE.verdict(exp_manager)
+    if verdict.status not in (VERIFIED, STRUCTURE):  # a release with the fix orders itself; one declined is upstream
+        pytest.skip(f"the installed NeMo is not ordered by nemo_safe: {verdict}")
+    order = inspect.getclosurevars(exp_manager.get_log_dir).nonlocals["order"]
+    core = order.__wrapped__
+    assert core.__code__ is nemo_resume_upstream._check_resume_in_order.__code__
+    for name in nemo_resume_core.CORE:
+        assert core.__globals__[name].__code__ is getattr(nemo_resume_upstream, name).__code__, name
+    assert core.__globals__["check_resume"] is inspect.unwrap(exp_manager.check_resume)
+    assert core.__globals__["logging"]._nemo is exp_manager.logging  # NeMo's logger: the waits speak NeMo's voice

@@ -176,7 +176,10 @@ exists):
 - Global rank 0 waits for nobody. It writes "state" (JSON, to a temporary
   name, then os.replace) saying that it checks, rewrites it every second
   from a thread while check_resume() runs, then writes how that ended:
-  done, or its error, with its version.
+  done, or its error, with its version; a success it rewrites every
+  second for 120 s more (a rank that starts later tells it by its time;
+  an error is not rewritten, so that a retry seconds later never takes it
+  for its own run's).
 - A non-zero rank reads "state" until rank 0 of this run is done, then
   takes rank 0's version (log_dir becomes <exp_dir>/<name>/<version>,
   built from its own exp_dir and name), runs its own check_resume() there
@@ -189,17 +192,15 @@ exists):
   runs as its last command (`python train.py; python train.py`) keeps the
   shell's process, started before the first run: its start is then taken
   as now minus the CPU time the thread spent, which is after that exec (a
-  rank whose imports waited long on I/O may then take a rank 0 that had
-  finished before it looked for an earlier run's, and carry on as today).
+  rank whose imports waited long on I/O sees rank 0's rewritten "done"
+  a few seconds later than it could have).
 - A rank that saw no rank 0 of this run within seconds_to_sleep carries on
   as today, with one warning: node-local or otherwise unshared exp_dirs
   keep working as they do, and no rank ever waits longer than today unless
   rank 0 of this run is seen working (fit() could not start before it
-  anyway) or every other rank waits there too (below). So does a rank that
-  started more than about 5 s after rank 0 had finished (rank 0's whole
-  start-up shorter than the ranks' start skew): it cannot tell that state
-  from an earlier run's, keeps its own log_dir as today, and rank 0's move
-  is over by then.
+  anyway) or every other rank waits there too (below). A rank that starts
+  up to 120 s after rank 0 finished still takes rank 0's rewritten "done"
+  as this run's.
 
 Review points on the earlier version (two PRs, arrival files and a "done"
 marker), one by one:
@@ -225,17 +226,17 @@ marker), one by one:
   and removes it when it returns. A rank that saw no rank 0 by
   seconds_to_sleep lists the folder once: if every other non-zero rank of
   this run waits there too (records since this process started, less the 5
-  s skew) and no "done" state is there (an earlier run's, or that of a
-  rank 0 done long before this rank started), rank 0 is late, not meeting
-  elsewhere, and it keeps waiting, at most 120 s more. That is the cost
-  where rank 0 alone checks elsewhere (another working directory, or it
-  could not write its state), the one case where a rank may wait longer
-  than today for nothing. Arrival records are back for this only: nobody
-  waits for them, and rank 0 never reads them. With 2 ranks nothing tells
-  a late rank 0 from one that meets elsewhere: rank 1 carries on after
-  seconds_to_sleep, as today (raise it where rank 0 is often that late);
-  after a torchrun restart (a "done" of the earlier round in the folder)
-  likewise.
+  s skew), rank 0 is late, not meeting elsewhere, and it keeps waiting, at
+  most 120 s more; a "done" it cannot take as this run's is an earlier
+  round's (a torchrun restart: the new round is ordered too), since this
+  run's rank 0 keeps rewriting its own. That is the cost where rank 0 alone
+  checks elsewhere (another working directory, or it could not write its
+  state) or finished more than 120 s before every other rank started, the
+  cases where a rank may wait longer than today for nothing. Arrival
+  records are back for this only: nobody waits for them, and rank 0 never
+  reads them. With 2 ranks nothing tells a late rank 0 from one that meets
+  elsewhere: rank 1 carries on after seconds_to_sleep, as today (raise it
+  where rank 0 is often that late).
 - One PR: the former PRs 2 and 3 are merged, so no API is added and then
   changed; every new name is private; the environment constant is in
   nemo/constants.py; exp_manager.py's typing (Dict, Optional, Tuple) and
@@ -253,25 +254,27 @@ other ranks exist; it exports NEMO_EXPM_RESUME_CHECKED=<its pid>:<call>
 it and skip the sleep, whatever their log_dir. On by default where it
 applies: those are the runs whose fixed sleep is meant to order rank 0's
 move. What stays on disk: .exp_manager/<run>/state, a few hundred bytes
-per run (a killed rank 0 may leave a .state.<hex> temporary, a killed
-waiting rank its empty rank<N>.<time>).
+per run (a rank 0 that exits while it writes may leave a .state.<hex>
+temporary, a killed waiting rank its empty rank<N>.<time>).
 
 All in nemo/utils/exp_manager.py (a few lines in exp_manager(), 6
 imports, new private functions before check_resume()) and one constant
 in nemo/constants.py. No new package, option or dependency.
 
-Tested: tests/core/test_exp_manager.py, TestExpManager: fourteen tests
+Tested: tests/core/test_exp_manager.py, TestExpManager: fifteen tests
 play ranks with torchrun's variables, the other ranks as threads: rank 0
 moves and releases rank 1; an unversioned rank 1 takes rank 0's version
 folder and skips the sleep; rank 0's OSError reaches rank 1 as
 RuntimeError; a NotFoundError rank 0 meets is rank 1's own NotFoundError;
 a rank 0 that finished before rank 1 looked releases it at once; a beating
 rank 0 is waited for past the silence limit, up to the timeout, then not;
-a stopped one holds nobody after 120 s; a failed read after
+a stopped one holds nobody after 120 s; rank 0 rewrites a successful
+"done" for _RESUME_ORDER_SILENCE s, then stops, and an error not at all; a failed read after
 seconds_to_sleep keeps rank 1 waiting for a rank 0 still checking; a state
 of an earlier run releases nobody, even with a failed read in between; a
 rank 0 later than seconds_to_sleep is waited for while every other rank
-waits (not without them, nor for an earlier run's record), for at most 120
+waits (also after an earlier round's "done"; not without them, nor for an
+earlier run's record), for at most 120
 s more; the start counted from a shell's exec; two ranks not sharing the
 folder go on after seconds_to_sleep; Lightning's launcher. All but the one
 for ranks not sharing the folder fail before this change (most on

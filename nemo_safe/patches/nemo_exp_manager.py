@@ -4,12 +4,14 @@
 module globals at call time, so replacing them in ``nemo.utils.exp_manager``
 changes what it does:
 
-* ``get_log_dir`` and ``check_resume`` go through
-  :class:`~nemo_safe.patches.nemo_resume_order.ResumeOrder`: rank 0 first,
-  everyone after it, every rank with rank 0's ``log_dir``;
-* ``time`` becomes a stand-in whose ``sleep`` skips upstream's fixed
-  ``seconds_to_sleep`` on ranks that were ordered (and counts what a rank
-  already waited where it could not be);
+* ``get_log_dir`` runs the upstream pull request's ordering
+  (:mod:`~nemo_safe.patches.nemo_resume_core`: rank 0 first, everyone after
+  it, every rank with rank 0's ``log_dir``), taking ``cfg`` from the
+  ``exp_manager`` call it serves, where the launcher and the trainer agree on
+  the ranks (:func:`~nemo_safe.patches.nemo_resume_order.launcher_agrees`);
+  ``check_resume`` then skips the call the ordering already made;
+* ``time`` becomes a stand-in whose ``sleep`` sleeps what the ordering left
+  of upstream's fixed ``seconds_to_sleep`` (none on ranks that were ordered);
 * ``exp_manager`` itself sets up the call and, where nothing exports
   ``LOCAL_RANK`` before ``fit()`` (srun, mpirun), runs with the trainer's local
   rank exported (else the launcher's): upstream names every task of a node
@@ -29,20 +31,22 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import logging
 import os
+import sys
 import threading
 import time as _time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
-from nemo_safe.patches import nemo_resume_order
+from nemo_safe.patches import nemo_resume_core, nemo_resume_order
 from nemo_safe.patches.nemo_log_names import log_local_rank
-from nemo_safe.patches.nemo_resume_order import ResumeOrder
 from nemo_safe.patching import Replacements
 from nemo_safe.version_gate import FIXED, Fact, SourceGate, called_name, calls_in_order, function_tree
+from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,11 @@ KNOWN_SOURCES = {
 }
 #: The call that gives non-zero ranks their fixed wait, which the patch cuts.
 SLEEP_CALL = "time.sleep(cfg.seconds_to_sleep)"
+#: exp_manager's ``check_resume`` call, the one the series' core makes (the overlay runs the core in its place).
+CHECK_RESUME_CALL = (
+    "check_resume(trainer, log_dir, cfg.resume_if_exists, cfg.resume_past_end, cfg.resume_ignore_no_checkpoint, "
+    "cfg.checkpoint_callback_params.dirpath, cfg.resume_from_checkpoint)"
+)
 #: What NeMo pull request 2 of ``patches/nemo`` adds to ``nemo.utils.exp_manager`` and calls from
 #: ``exp_manager()`` (tests/test_upstream_fixed.py checks that the series defines it).
 UPSTREAM_ORDERING = "_check_resume_in_order"
@@ -113,6 +122,18 @@ def _calls_in_order(module: ModuleType) -> bool:
     return [names.index(name) for name in wanted] == sorted(names.index(name) for name in wanted)
 
 
+def _check_resume_follows(module: ModuleType) -> bool:
+    """The statement right after ``log_dir, ... = get_log_dir(...)`` is :data:`CHECK_RESUME_CALL`: running it
+    from inside ``get_log_dir``, with exp_manager's ``cfg``, skips nothing between the two."""
+    tree = function_tree(module.exp_manager)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        for first, second in itertools.pairwise(body) if isinstance(body, list) else ():
+            if isinstance(first, ast.Assign) and called_name(first.value) == "get_log_dir":
+                return ast.unparse(second) == CHECK_RESUME_CALL
+    return False
+
+
 def _move_is_rank_zero_only(module: ModuleType) -> bool:
     """Every ``move`` in ``check_resume`` sits under ``if is_global_rank_zero():`` (and there is one)."""
     tree = function_tree(module.check_resume)
@@ -145,6 +166,7 @@ FACTS = (
     Fact("get_log_dir takes trainer and explicit_log_dir", _get_log_dir_parameters),
     Fact("exp_manager() unpacks log_dir, exp_dir, name, version from one get_log_dir() call", _unpacks_four_parts),
     Fact(f"exp_manager() calls get_log_dir, then check_resume, then {SLEEP_CALL}, each once", _calls_in_order),
+    Fact(f"exp_manager() calls {CHECK_RESUME_CALL} right after get_log_dir", _check_resume_follows),
     Fact("check_resume moves old files only under `if is_global_rank_zero():`", _move_is_rank_zero_only),
     Fact("the module globals time and is_global_rank_zero", _module_globals),
 )
@@ -173,12 +195,13 @@ class _SleepGate:
         self._real = real
 
     def sleep(self, seconds: float) -> None:
-        order = _current()
-        if order is not None:
-            left = order.sleep_left(seconds)
+        stack = getattr(_calls, "stack", None)
+        left = stack[-1].sleep_left if stack else None
+        if left is not None:  # the one fixed sleep (a gate fact): what the ordering left of it, never more
+            stack[-1].sleep_left = None
             if left < seconds:
                 log.debug("nemo_safe: exp_manager's %.1f s sleep cut to %.1f s: rank 0 was waited for", seconds, left)
-            seconds = left
+            seconds = min(seconds, left)
         self._real.sleep(seconds)
 
     def __getattr__(self, name: str) -> Any:
@@ -187,20 +210,18 @@ class _SleepGate:
 
 @dataclass
 class _Call:
-    """One ``exp_manager`` call: what the wrapper knows (``seconds_to_sleep``) and the ordering, if any."""
+    """One ``exp_manager`` call: its code (to find its ``cfg``) and what the ordering did."""
 
-    grace: float
+    code: CodeType
     is_global_rank_zero: Callable[[], bool]
-    order: ResumeOrder | None = None
     planned: bool = False
+    #: The ordering ran ``check_resume``: exp_manager's own call right after ``get_log_dir`` is skipped.
+    checked: bool = False
+    #: What the ordering left of the fixed ``seconds_to_sleep`` (None: upstream's sleep as it is).
+    sleep_left: float | None = None
 
 
-def _current() -> ResumeOrder | None:
-    stack = getattr(_calls, "stack", None)
-    return stack[-1].order if stack else None
-
-
-def _make_get_log_dir(original: Callable[..., Any]) -> Callable[..., Any]:
+def _make_get_log_dir(original: Callable[..., Any], order: nemo_resume_core.Order) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def get_log_dir(*args: Any, **kwargs: Any) -> Any:
@@ -210,11 +231,19 @@ def _make_get_log_dir(original: Callable[..., Any]) -> Callable[..., Any]:
             return own  # not inside exp_manager (or a second call in one): upstream's answer
         call = stack[-1]
         call.planned = True
-        bound = signature.bind(*args, **kwargs).arguments
-        call.order = nemo_resume_order.resume_order_for(bound["trainer"], call.is_global_rank_zero, call.grace)
-        if call.order is None:
+        trainer = signature.bind(*args, **kwargs).arguments["trainer"]
+        if nemo_resume_order.launcher_agrees(trainer, call.is_global_rank_zero) is None:
             return own
-        return call.order.agree_log_dir(own, bound.get("explicit_log_dir"))
+        caller = sys._getframe(1)
+        cfg = caller.f_locals.get("cfg") if caller.f_code is call.code else None
+        if cfg is None:  # exp_manager wrapped by something that hides its frame: nothing to order with
+            warn_once(log, "cfg", "nemo_safe: exp_manager: get_log_dir was not called by exp_manager itself "
+                      "(is exp_manager wrapped?); running as upstream NeMo does")  # fmt: skip
+            return own
+        log_dir, exp_dir, name, version = own
+        call.sleep_left, log_dir, version = order(trainer, cfg, log_dir, exp_dir, name, version)
+        call.checked = True
+        return log_dir, exp_dir, name, version
 
     get_log_dir.__wrapped__ = original  # type: ignore[attr-defined]
     get_log_dir.__doc__ = original.__doc__
@@ -223,10 +252,11 @@ def _make_get_log_dir(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_check_resume(original: Callable[..., Any]) -> Callable[..., Any]:
     def check_resume(*args: Any, **kwargs: Any) -> Any:
-        order = _current()
-        if order is None:
-            return original(*args, **kwargs)
-        return order.check_resume(original, *args, **kwargs)
+        stack = getattr(_calls, "stack", None)
+        if stack and stack[-1].checked:
+            stack[-1].checked = False  # exp_manager's own call: the ordering ran it already, with these arguments
+            return None
+        return original(*args, **kwargs)
 
     check_resume.__wrapped__ = original  # type: ignore[attr-defined]
     check_resume.__doc__ = original.__doc__
@@ -241,26 +271,15 @@ def _make_exp_manager(original: Callable[..., Any], module: ModuleType) -> Calla
             bound = signature.bind(*args, **kwargs).arguments
         except TypeError:
             return original(*args, **kwargs)  # upstream's own error
-        trainer, cfg = bound["trainer"], bound.get("cfg")
         stack = _calls.__dict__.setdefault("stack", [])
-        stack.append(_Call(nemo_resume_order.seconds_to_sleep(cfg), module.is_global_rank_zero))
-        local_rank = log_local_rank(trainer)
+        stack.append(_Call(inspect.unwrap(original).__code__, module.is_global_rank_zero))
+        local_rank = log_local_rank(bound["trainer"])
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = str(local_rank)  # upstream names its per-rank log file by it
-        error: BaseException | None = None
         try:
             return original(*args, **kwargs)
-        except BaseException as exc:
-            error = exc
-            raise
         finally:
-            call = stack.pop()
-            if call.order is not None:
-                try:
-                    call.order.close(error)
-                except Exception as close_error:  # never hide NeMo's own exception behind ours
-                    log.warning("nemo_safe: exp_manager: could not tell the other ranks how rank 0 ended: %s",
-                                close_error)  # fmt: skip
+            stack.pop()
             if local_rank is not None:
                 os.environ.pop("LOCAL_RANK", None)
 
@@ -279,7 +298,8 @@ def apply(module: ModuleType) -> Replacements | None:
     if not verdict.patches:
         return None
     changes = Replacements(f"{verdict}: rank 0 first, rank 0's log_dir on every rank, no fixed sleep")
-    changes.set(module, "get_log_dir", _make_get_log_dir(module.get_log_dir))
+    order = nemo_resume_core.bind(module, module.check_resume)
+    changes.set(module, "get_log_dir", _make_get_log_dir(module.get_log_dir, order))
     changes.set(module, "check_resume", _make_check_resume(module.check_resume))
     changes.set(module, "exp_manager", _make_exp_manager(module.exp_manager, module))
     changes.set(module, "time", _SleepGate(module.time if isinstance(module.time, ModuleType) else _time))

@@ -1,4 +1,9 @@
-"""Order NeMo's ``exp_manager`` start-up: global rank 0 first, everyone after it, with rank 0's ``log_dir``.
+"""Order a NeMo start-up step with nemo_safe's barrier: global rank 0 first, everyone after it, rank 0's ``log_dir``.
+
+Since 2026-12-05 ``exp_manager`` itself is ordered by the upstream pull request's code
+(:mod:`~nemo_safe.patches.nemo_resume_core`); it uses only :func:`launcher_agrees` from here.
+:class:`ResumeOrder` orders NeMo 2.x's ``NeMoLogger.setup`` (:mod:`~nemo_safe.patches.nemo_logger_order`),
+which the upstream series does not change. What follows describes it as written for ``exp_manager``.
 
 Upstream, ``get_log_dir`` gives global rank 0 a fresh version (a date, or
 TensorBoard's ``version_N``) and the other ranks, which it did not spawn, none;
@@ -232,16 +237,12 @@ class ResumeOrder:
         return max(0.0, seconds - self.waited)
 
 
-def resume_order_for(
-    trainer: Any,
-    is_global_rank_zero: Callable[[], bool],
-    grace: float,
-    what: str = "exp_manager",
-    barrier_name: str = BARRIER_NAME,
-) -> ResumeOrder | None:
-    """How to order this ``exp_manager`` call (or another NeMo start-up step, named ``what``), or None
-    to leave it to upstream: one process, no launcher, or a configuration nemo_safe cannot order safely
-    (one warning says which)."""
+def launcher_agrees(
+    trainer: Any, is_global_rank_zero: Callable[[], bool], what: str = "exp_manager"
+) -> cluster_identity.ClusterIdentity | None:
+    """This process's place in the job where ordering ``what`` is safe: a multi-process launcher that agrees
+    with NeMo on rank 0 and with the trainer on the world size. None to leave it to upstream: one process,
+    no launcher, or a configuration nemo_safe cannot order safely (one warning says which)."""
 
     def topic(name: str) -> str:
         return name if what == "exp_manager" else f"{what}:{name}"
@@ -269,9 +270,24 @@ def resume_order_for(
             ident.rank,
         )
         return None
+    return ident
+
+
+def resume_order_for(
+    trainer: Any,
+    is_global_rank_zero: Callable[[], bool],
+    grace: float,
+    what: str = "exp_manager",
+    barrier_name: str = BARRIER_NAME,
+) -> ResumeOrder | None:
+    """How to order this NeMo start-up step (named ``what``), or None to leave it to upstream
+    (:func:`launcher_agrees`)."""
+    ident = launcher_agrees(trainer, is_global_rank_zero, what)
+    if ident is None:
+        return None
     store = agent_store_address(os.environ) if ident.launcher == "torchrun" else None
     if store is not None and not _store_answers(store):
-        warn_once(topic("store"), "%s: torchrun's agent store %s:%s does not answer; meeting in exp_dir", what,
+        warn_once(f"{what}:store", "%s: torchrun's agent store %s:%s does not answer; meeting in exp_dir", what,
                   *store)  # fmt: skip
         store = None
     return ResumeOrder(ident, grace, store, what=what, barrier_name=barrier_name)

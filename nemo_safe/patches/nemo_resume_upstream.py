@@ -87,51 +87,53 @@ def _write_resume_state(path: Path, state: Dict[str, Any]) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def _rank_zero_is_late(meeting_dir: Path, rank: int, world_size: int, phase: Optional[str]) -> bool:
-    """Every other non-zero rank of this run waits in meeting_dir too (a rank<N>.<time> record since this process
-    started, less the skew) and no "done" (an earlier run's, or rank 0's long ago) is there: rank 0 is late."""
+def _rank_zero_is_late(meeting_dir: Path, rank: int, world_size: int) -> bool:
+    """Every other non-zero rank of this run waits here too (a rank<N>.<time> since this process started, less skew)."""
     with contextlib.suppress(OSError):
         names = [n.partition(".") for n in os.listdir(meeting_dir) if n.startswith("rank")]
         here = {r for r, _, t in names if t.isdigit() and int(t) > _RESUME_ORDER_STARTED - _RESUME_ORDER_SKEW}
-        return world_size > 2 and phase != "done" and here >= {f"rank{r}" for r in range(1, world_size) if r != rank}
+        return world_size > 2 and here >= {f"rank{r}" for r in range(1, world_size) if r != rank}
     return False
 
 
 def _check_resume_first(meeting_dir: Path, run_check_resume: Callable[[], None], version: Optional[str]) -> None:
-    """Global rank 0: say that it checks (beating), run check_resume(), then publish how that ended and its version."""
-    state_file, stop = meeting_dir / "state", threading.Event()
+    """Global rank 0: say that it checks (beating), run check_resume(), then publish how that ended and its version, and
+    a success again for _RESUME_ORDER_SILENCE s: a rank that starts later still tells it from an earlier run's."""
+    state_file, lock, progress = meeting_dir / "state", threading.Lock(), {"phase": "checking", "beat": 0}
     who = {"session": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "version": version}
 
     def publish(**fields) -> None:
-        _write_resume_state(state_file, {**who, "time": time.time(), **fields})
+        with lock:  # a beat never overwrites the final state with an older one
+            progress.update(fields)
+            _write_resume_state(state_file, {**who, "time": time.time(), **progress})
 
     def beat() -> None:
-        beats = itertools.count(1)
-        while not stop.wait(_RESUME_ORDER_BEAT):
+        for beats in itertools.count(1):
+            time.sleep(_RESUME_ORDER_BEAT)
+            if time.monotonic() > ends:
+                return
             with contextlib.suppress(Exception):  # one lost beat; the others give up only after _RESUME_ORDER_SILENCE
-                publish(phase="checking", beat=next(beats))
+                publish(beat=beats)
 
     try:
-        publish(phase="checking", beat=0)
+        publish()
     except OSError as error:
         logging.warning(f"Global rank 0 cannot tell the other ranks in {meeting_dir} that it checks ({error})")
         run_check_resume()
         return
     logging.info(f"Global rank 0 checks {meeting_dir.parent.parent} for resuming; the other ranks wait for it")
-    beating = threading.Thread(target=beat, daemon=True)
-    beating.start()
-    outcome = {"phase": "done", "error": None}
+    outcome, ends = {"phase": "done", "error": None}, float("inf")
+    threading.Thread(target=beat, daemon=True).start()
     try:
         run_check_resume()
     except BaseException as error:
         outcome["error"] = f"{type(error).__name__}: {error}"
         raise
-    finally:
-        stop.set()
-        beating.join()
+    finally:  # an error is not republished: a retry seconds later must not take it as its own run's
+        ends = time.monotonic() + (_RESUME_ORDER_SILENCE if outcome["error"] is None else 0)
         try:
             publish(**outcome)
-        except OSError as error:  # the others see the beat stop and carry on after _RESUME_ORDER_SILENCE
+        except OSError as error:  # its next beat tries again
             logging.warning(f"Global rank 0 could not tell the other ranks in {meeting_dir} that it is done: {error}")
 
 
@@ -184,9 +186,7 @@ def _wait_for_rank_zero(
                     )
                     return None
             elif now - started >= grace:
-                vouched = (
-                    _rank_zero_is_late(meeting_dir, rank, world_size, last and last[1]) if vouched is None else vouched
-                )
+                vouched = _rank_zero_is_late(meeting_dir, rank, world_size) if vouched is None else vouched
                 if not vouched or now - started >= grace + _RESUME_ORDER_SILENCE:
                     logging.warning(
                         f"Rank {rank} saw no global rank 0 of this run in {meeting_dir} in {now - started:.0f} s "

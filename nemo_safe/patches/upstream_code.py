@@ -34,11 +34,13 @@ class _TargetGlobals(dict):  # type: ignore[type-arg]
 def run_in(
     source: ModuleType, target: ModuleType, names: Iterable[str], helpers: Mapping[str, object]
 ) -> dict[str, Callable[..., Any]]:
-    """``source``'s functions ``names`` as if defined in ``target``, calling ``helpers`` by name."""
+    """``source``'s functions ``names`` as if defined in ``target``, calling ``helpers`` and one another by name."""
     namespace = _TargetGlobals(source, target, helpers)
     out = {}
     for name in names:
         f = getattr(source, name)
         g = types.FunctionType(f.__code__, namespace, f.__name__, f.__defaults__, f.__closure__)
         out[name] = functools.update_wrapper(g, f)
+    # They call one another as they would in ``target``: each other's copies, unless a helper replaces one.
+    namespace.update({name: g for name, g in out.items() if name not in helpers})
     return out

@@ -287,9 +287,9 @@ class TestExpManager:
     @pytest.mark.unit
     def test_resume_order_late_rank_zero_is_waited_for_while_every_other_rank_waits(self, tmp_path):
         """Rank 0 of 3 comes after seconds_to_sleep (a slower start): rank 2 waiting in the folder too shows that rank 0
-        is late, not meeting elsewhere, so rank 1 keeps waiting for it. Without rank 2, with a record an earlier run's
-        rank 2 left, or after an earlier run's "done", rank 1 carries on after seconds_to_sleep, as without ordering
-        (fake clock)."""
+        is late, not meeting elsewhere, so rank 1 keeps waiting for it, also after an earlier run's "done" (a restart).
+        Without rank 2, or with a record an earlier run's rank 2 left, rank 1 carries on after seconds_to_sleep, as
+        without ordering (fake clock)."""
         import time
 
         import nemo.utils.exp_manager as exp_manager_module
@@ -303,7 +303,7 @@ class TestExpManager:
                 phase = {"phase": "checking", "beat": int(now)} if now < 40 else {"phase": "done", "error": None}
                 (tmp_path / "state").write_text(json.dumps({"session": "s", "time": time.time(), **phase}))
 
-        cases = ((time.time(), None, True), (None, None, False), (earlier, None, False), (time.time(), "done", False))
+        cases = ((time.time(), None, True), (None, None, False), (earlier, None, False), (time.time(), "done", True))
         for rank_two, earlier_phase, waited in cases:
             for path in tmp_path.iterdir():
                 path.unlink()
@@ -320,6 +320,39 @@ class TestExpManager:
             else:
                 assert state is None and 5 <= now[0] <= 7
             assert set(seen_waiting) == {1} and not list(tmp_path.glob("rank1*"))  # its record while it waits only
+
+    @pytest.mark.unit
+    def test_resume_order_rank_zero_republishes_done(self, monkeypatch, tmp_path):
+        """After check_resume(), global rank 0 publishes its "done" again every _RESUME_ORDER_BEAT s for
+        _RESUME_ORDER_SILENCE s (so a rank that starts later tells it from an earlier run's by its time), then stops;
+        an error it publishes once."""
+        import time
+
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _check_resume_first
+
+        monkeypatch.setattr(exp_manager_module, "_RESUME_ORDER_BEAT", 0.01)
+        monkeypatch.setattr(exp_manager_module, "_RESUME_ORDER_SILENCE", 0.3)
+        _check_resume_first(tmp_path, lambda: None, "v")
+        first = json.loads((tmp_path / "state").read_text())
+        deadline = time.monotonic() + 10  # hang guard only
+        while json.loads((tmp_path / "state").read_text())["beat"] == first["beat"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        again = json.loads((tmp_path / "state").read_text())
+        assert first["phase"] == again["phase"] == "done" and again["beat"] > first["beat"]
+        assert again["session"] == first["session"] and again["version"] == "v" and again["time"] >= first["time"]
+        time.sleep(1.0)  # past its 0.3 s: the republishing has ended
+        last = (tmp_path / "state").read_text()
+        time.sleep(0.2)
+        assert (tmp_path / "state").read_text() == last and [p.name for p in tmp_path.iterdir()] == ["state"]
+        failed = tmp_path / "failed"  # an error is not republished (a retry must not take it for its own run's)
+        failed.mkdir()
+        with pytest.raises(OSError):
+            _check_resume_first(failed, lambda: (_ for _ in ()).throw(OSError("move failed")), "v")
+        time.sleep(0.2)
+        last = (failed / "state").read_text()
+        time.sleep(0.2)
+        assert (failed / "state").read_text() == last and json.loads(last)["error"] == "OSError: move failed"
 
     @pytest.mark.unit
     def test_resume_order_late_rank_zero_is_waited_for_a_bounded_time(self, tmp_path):
