@@ -48,7 +48,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +63,6 @@ from nemo_safe.thread_progress import PROGRESS_LIMIT
 log = logging.getLogger(__name__)
 
 BARRIER_NAME = "exp_manager"
-DEFAULT_SECONDS_TO_SLEEP = 5.0
 
 
 def warn_once(topic: str, message: str, *args: Any) -> None:
@@ -81,19 +79,15 @@ def meeting_dir(log_dir_parts: tuple[Any, ...], explicit_log_dir: Any) -> str:
 
 @dataclass
 class ResumeOrder:
-    """One ``exp_manager`` call of one rank: set up by :func:`resume_order_for`, used by the two patched functions."""
+    """One ordered call of one rank (NeMoLogger's ``setup``): set up by :func:`resume_order_for`."""
 
     ident: cluster_identity.ClusterIdentity
-    #: ``seconds_to_sleep``: how long upstream lets the other ranks wait for rank 0.
+    #: How long the other ranks wait for a sign of rank 0 before carrying on as upstream.
     grace: float
     store: tuple[str, int] | None
     barrier: Barrier | None = None
     payload: dict[str, Any] | None = None
     rank0_failure: RankZeroFailed | None = None
-    #: This rank waited for rank 0 and got its outcome: upstream's fixed sleep has no purpose left.
-    ordered: bool = False
-    #: Seconds this rank already waited before carrying on as upstream does (counted against the sleep).
-    waited: float = 0.0
     #: What is being ordered, as messages name it (``nemo_logger_order`` reuses this class for NeMoLogger).
     what: str = "exp_manager"
     #: The barrier's name: the records of two ordered calls never mix.
@@ -117,16 +111,13 @@ class ResumeOrder:
                 "version": version,
             }
             return own
-        started = time.monotonic()
         try:
             outcome = barrier.wait(grace=self.grace, stall_limit=PROGRESS_LIMIT)
         except RankZeroStalled as exc:
-            self.waited = time.monotonic() - started
             warn_once(self._topic("stalled"), "%s: %s Carrying on as upstream NeMo does (log_dir %s, no ordering "
                       "with rank 0's move); check rank 0's filesystem.", self.what, exc, own[0])  # fmt: skip
             return own
         except RankZeroAbsent as exc:
-            self.waited = time.monotonic() - started
             warn_once(
                 self._topic("absent"),
                 "%s: %s Carrying on as upstream NeMo does (log_dir %s, no ordering with rank 0's move). "
@@ -139,7 +130,6 @@ class ResumeOrder:
         except RankZeroFailed as exc:
             self.rank0_failure = exc
             return own
-        self.ordered = True
         theirs = outcome.payload
         if theirs.get("meeting_dir") != meet:
             warn_once(
@@ -198,18 +188,7 @@ class ResumeOrder:
         """exp_manager's warning topics as before; another user's of its own (one warning each per process)."""
         return topic if self.what == "exp_manager" else f"{self.what}:{topic}"
 
-    def close(self, error: BaseException | None) -> None:
-        """Rank 0 left ``exp_manager`` without reaching ``check_resume`` (an error on the way): publish
-        how it ended, so that the waiting ranks stop now instead of at their timeout."""
-        barrier, self.barrier = self.barrier, None
-        if barrier is not None:
-            barrier.release(error, self.payload)
-
-    # -- check_resume: rank 0's move, then everyone's lookup ------------------------------
-
-    def check_resume(self, check_resume: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Rank 0 runs ``check_resume`` and publishes how it ended; the others run its lookup."""
-        return self.run(check_resume, *args, **kwargs)
+    # -- the work: rank 0's first, then everyone's ------------------------------------------
 
     def run(self, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Rank 0 runs ``work`` and publishes how it ended; the others (after :meth:`agree_log_dir`
@@ -227,14 +206,6 @@ class ResumeOrder:
         if self.rank0_failure is not None:
             raise self.rank0_failure
         return result
-
-    def sleep_left(self, seconds: float) -> float:
-        """What remains of upstream's fixed sleep on a non-zero rank (another sleep is left as it is)."""
-        if seconds != self.grace:
-            return seconds
-        if self.ordered:
-            return 0.0
-        return max(0.0, seconds - self.waited)
 
 
 def launcher_agrees(
@@ -306,12 +277,3 @@ def _store_answers(address: tuple[str, int]) -> bool:
         except OSError:
             _store_reachable[address] = False
     return _store_reachable[address]
-
-
-def seconds_to_sleep(cfg: Any) -> float:
-    """``cfg.seconds_to_sleep`` of a dict or DictConfig, NeMo's default when unset or unreadable."""
-    try:
-        value = cfg.get("seconds_to_sleep", None) if cfg is not None else None
-        return DEFAULT_SECONDS_TO_SLEEP if value is None else max(0.0, float(value))
-    except (AttributeError, TypeError, ValueError):
-        return DEFAULT_SECONDS_TO_SLEEP
