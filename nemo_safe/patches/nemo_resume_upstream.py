@@ -133,7 +133,7 @@ def _check_resume_first(meeting_dir: Path, run_check_resume: Callable[[], None],
         ends = time.monotonic() + (_RESUME_ORDER_SILENCE if outcome["error"] is None else 0)
         try:
             publish(**outcome)
-        except OSError as error:  # its next beat tries again
+        except OSError as error:  # a success: its next beat tries again; an error: silence, then as today
             logging.warning(f"Global rank 0 could not tell the other ranks in {meeting_dir} that it is done: {error}")
 
 
