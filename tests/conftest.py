@@ -36,30 +36,43 @@ def slurm_cluster() -> None:
         _missing(f"the local SLURM cluster does not answer (sinfo: {out.stderr.strip() or out.stdout.strip()})")
 
 
+#: bindfs caches like an NFS client's: a lookup, its attributes and a lookup that found nothing live 3 s.
+CACHING = "negative_timeout=3,entry_timeout=3,attr_timeout=3"
+
+
 @pytest.fixture()
-def bindfs_views(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
-    """Two bindfs views of one directory with 3 s entry/attr/negative caches (an NFS-like view)."""
+def cached_view(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``cached_view(source, caching=CACHING)``: a new bindfs view of ``source``, unmounted when the test ends."""
     if not shutil.which("bindfs"):
         _missing("bindfs is not installed")
     if not os.path.exists("/dev/fuse"):
         _missing("/dev/fuse does not exist")
-    base, views = tmp_path / "base", [tmp_path / "view1", tmp_path / "view2"]
-    for d in (base, *views):
-        d.mkdir()
-    opts = "negative_timeout=3,entry_timeout=3,attr_timeout=3"
-    mounted = []
+    mounted: list[Path] = []
+
+    def mount(source: Path, caching: str = CACHING) -> Path:
+        view = tmp_path / f"view{len(mounted) + 1}"
+        view.mkdir()
+        out = subprocess.run(["bindfs", "-o", caching, str(source), str(view)], capture_output=True, text=True,
+                             timeout=30)  # fmt: skip
+        if out.returncode != 0:
+            _missing(f"bindfs could not mount: {out.stderr.strip()}")
+        mounted.append(view)
+        return view
+
     try:
-        for view in views:
-            out = subprocess.run(
-                ["bindfs", "-o", opts, str(base), str(view)], capture_output=True, text=True, timeout=30
-            )
-            if out.returncode != 0:
-                _missing(f"bindfs could not mount: {out.stderr.strip()}")
-            mounted.append(view)
-        yield base, views[0], views[1]
+        yield mount
     finally:
-        for view in mounted:
-            subprocess.run(["umount", str(view)], check=False, timeout=30)
+        for view in reversed(mounted):
+            if subprocess.run(["umount", str(view)], check=False, timeout=30).returncode != 0:
+                subprocess.run(["umount", "-l", str(view)], check=True, timeout=30)  # busy: detach it now
+
+
+@pytest.fixture()
+def bindfs_views(tmp_path: Path, cached_view: Callable[..., Path]) -> tuple[Path, Path, Path]:
+    """Two bindfs views of one directory with :data:`CACHING` (an NFS-like view)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    return base, cached_view(base), cached_view(base)
 
 
 @pytest.fixture()

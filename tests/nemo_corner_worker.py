@@ -2,7 +2,8 @@
 
 Started with launcher variables (srun-style) by tests/test_nemo_corners.py; ``NEMO_SAFE_DISABLE=1`` makes
 ``import nemo_safe`` a no-op (the upstream twin). Prints one JSON line: status, error, seconds in
-exp_manager, log_dir. Exit status 0 when exp_manager returned, 1 when it raised (a retry wrapper's cue).
+exp_manager, log_dir and how many of the earlier run's files it still holds. Exit status 0 when exp_manager
+returned, 1 when it raised (a retry wrapper's cue).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def main() -> int:
     time.sleep(args.delay)
     started = time.monotonic()
     try:
-        result.update(status="ok", log_dir=str(exp_manager(trainer, cfg)))
+        log_dir = exp_manager(trainer, cfg)
+        # The earlier run's files this rank still sees when exp_manager returns (rank 0 moves them into run_0).
+        old_seen = sum(1 for name in os.listdir(log_dir) if name.startswith(demo.OLD_PREFIX))
+        result.update(status="ok", log_dir=str(log_dir), old_seen=old_seen)
     except Exception as exc:
         result.update(status="error", error_type=type(exc).__name__, error=str(exc)[:1500])
     result["seconds"] = time.monotonic() - started

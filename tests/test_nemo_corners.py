@@ -144,6 +144,35 @@ def test_rank_zero_killed_by_sigterm_while_it_moves(faultfs, tmp_path: Path, var
     assert len(os.listdir(archive)) < 300, "rank 0 was killed in the middle of its move"
 
 
+@pytest.mark.fuse
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_rank_zero_hidden_by_a_cached_lookup(faultfs, cached_view, tmp_path: Path, variant: str) -> None:  # noqa: F811
+    """Rank 1 reads the shared folder through a client that caches lookups for 3 s and a lookup that found nothing
+    for 8 s (bindfs); rank 0 enters 4 s late, within the fixed sleep, and its renames take 0.02 s (faultfs), so its
+    move of 300 files runs from 4 s to 10 s. Rank 1's first look for rank 0's state found nothing and its client
+    keeps saying so until 8 s: at the grace (5 s) rank 1 must find the state listed and wait for rank 0, then see
+    none of the earlier run's files. Upstream, rank 1 returned after its 5 s sleep in the middle of the move (it
+    saw old files), as did nemo_safe before it counted a listed state as rank 0's presence."""
+    shared = faultfs("--rename-delay", "0.02")
+    view = cached_view(shared, "negative_timeout=8,entry_timeout=3,attr_timeout=3")
+    make_old_log_dir(shared / "log", 300)
+    (tmp_path / "gate").mkdir()
+    run = (
+        f"{sys.executable} {WORKER} --exp-dir {shared} --exp-dir-odd {view} --explicit-log-dir --resume lenient "
+        f"--gate {tmp_path / 'gate'}"
+    )
+    results = _tasks(variant, f"23{len(variant)}2", lambda rank: run + (" --delay 4" if rank == 0 else ""), tmp_path)
+    r0, r1 = results[0][-1], results[1][-1]
+    print(f"{variant}: rank 1 {r1['seconds']:.1f} s in exp_manager, saw {r1.get('old_seen')} old files")
+    assert r0["status"] == "ok" and r1["status"] == "ok", results
+    assert len(os.listdir(shared / "log" / "run_0")) >= 300, "rank 0 moved the earlier run's files"
+    if variant == "nemo_safe":
+        assert r1["old_seen"] == 0, f"rank 1 went on while rank 0 moved: {r1}"
+        assert "going on without it" not in (tmp_path / "rank1.err").read_text(), "rank 1 must not give up on rank 0"
+    else:
+        assert r1["old_seen"] > 0, f"upstream's rank 1 must return in the middle of rank 0's move: {r1}"
+
+
 @pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
 def test_retry_inside_one_step(tmp_path: Path, variant: str) -> None:
     """Each task runs train.py with a strict resume (no checkpoint: it fails) and retries at once with a

@@ -12,9 +12,11 @@ equals ``nemo_resume_upstream``'s, and the overlay's exp_manager ordering runs t
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import sys
+import textwrap
 import threading
 import types
 from pathlib import Path
@@ -141,3 +143,17 @@ def test_exp_manager_ordering_runs_the_series_functions() -> None:
         assert core.__globals__[name].__code__ is getattr(nemo_resume_upstream, name).__code__, name
     assert core.__globals__["check_resume"] is inspect.unwrap(exp_manager.check_resume)
     assert core.__globals__["logging"]._nemo is exp_manager.logging  # NeMo's logger: the waits speak NeMo's voice
+
+
+def test_the_skipped_check_resume_call_is_the_one_the_series_makes() -> None:
+    """The overlay skips exp_manager's ``check_resume(...)`` call because the series' core made it: the gate's
+    text of that call (:data:`CHECK_RESUME_CALL`) and the core's ``run_check_resume`` pass the same arguments."""
+    from nemo_safe.patches import nemo_exp_manager
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(nemo_resume_upstream._check_resume_in_order)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "check_resume"]
+    assert len(calls) == 1, "the core calls check_resume in one place (run_check_resume)"
+    call = calls[0]
+    assert isinstance(call.args[1], ast.Name) and call.args[1].id == "directory"
+    call.args[1] = ast.Name("log_dir")  # run_check_resume's parameter is the log_dir it is given
+    assert ast.unparse(call) == nemo_exp_manager.CHECK_RESUME_CALL

@@ -117,9 +117,10 @@ LOG_RANK_BEFORE = (
     '    local_rank = int(os.environ.get("LOCAL_RANK", 0))\n'
 )
 LOG_RANK_AFTER = (
-    "    # Before fit() nothing may have exported LOCAL_RANK yet (srun, #8333), but the trainer's cluster environment\n"
-    "    # (SLURM, torchrun, ...) already knows the local rank. LOCAL_RANK still wins where it is set: single-device\n"
-    "    # strategies report local (and global) rank 0 in every process, e.g. under torchrun with devices=1.\n"
+    "    # Before fit(), LOCAL_RANK may be unset (srun, #8333) but the trainer's cluster environment "
+    "knows the local rank.\n"
+    "    # LOCAL_RANK wins where set: single-device strategies report local rank 0 in every process "
+    "(torchrun, devices=1).\n"
     '    local_rank = int(os.environ.get("LOCAL_RANK", trainer.local_rank))\n'
 )
 
@@ -172,7 +173,7 @@ exists):
   node has its own), else SLURM_JOB_ID, SLURM_STEP_ID and
   SLURM_RESTART_COUNT (srun steps only); and which multi-rank
   exp_manager() call of the process it is (ranks call it alike). Under
-  other launchers nothing changes.
+  other launchers nothing changes, except Lightning's own (see below).
 - Global rank 0 waits for nobody. It writes "state" (JSON, to a temporary
   name, then os.replace) saying that it checks, rewrites it every second
   from a thread while check_resume() runs, then writes how that ended:
@@ -215,9 +216,10 @@ marker), one by one:
   cut off from the folder; longer than NFS and FUSE attribute caches keep
   an old view) they carry on as today, with a warning: a rank 0 that
   recovers finds them in fit(), as it would today. A rank that was
-  stopped itself (a suspended job) does not count that time as rank 0's
-  silence, and a read that fails once rank 0 was seen (a rename on a FUSE
-  mount) is neither absence nor life. The 600 s cap and the 10 s
+  stopped itself (a suspended job) counts that time neither as rank 0's
+  silence nor against the timeout; a read that hung counts only against the
+  timeout (so reads that all hang end too); and a read that fails once rank
+  0 was seen (a rename on a FUSE mount) is neither absence nor life. The 600 s cap and the 10 s
   re-listing are gone.
 - A late or missing non-zero rank: rank 0 waits for nobody, so no rank
   delays it or makes the others give up.
@@ -237,6 +239,17 @@ marker), one by one:
   reads them. With 2 ranks nothing tells a late rank 0 from one that meets
   elsewhere: rank 1 carries on after seconds_to_sleep, as today (raise it
   where rank 0 is often that late).
+- A state listed but not found by its name: a FUSE client may answer "no
+  such file" for a while after a lookup found nothing (negative_timeout),
+  so rank 1's first poll can hide a rank 0 that comes a second later. The
+  same listing at seconds_to_sleep counts a state it lists but cannot
+  stat as rank 0's presence: rank 1 keeps waiting, at most 120 s more,
+  with any number of ranks. (Measured with rank 1 reading through a
+  bindfs view caching failed lookups for 8 s: without this, rank 1 missed
+  a rank 0 entering 4 s late and returned in the middle of its move.) An
+  NFS client may show the same where its listing is fresher than its
+  cached lookups; not measured. A state that exists but cannot be read
+  (empty, another user's) is no such sign.
 - One PR: the former PRs 2 and 3 are merged, so no API is added and then
   changed; every new name is private; the environment constant is in
   nemo/constants.py; exp_manager.py's typing (Dict, Optional, Tuple) and
@@ -261,24 +274,27 @@ All in nemo/utils/exp_manager.py (a few lines in exp_manager(), 6
 imports, new private functions before check_resume()) and one constant
 in nemo/constants.py. No new package, option or dependency.
 
-Tested: tests/core/test_exp_manager.py, TestExpManager: fifteen tests
+Tested: tests/core/test_exp_manager.py, TestExpManager: seventeen tests
 play ranks with torchrun's variables, the other ranks as threads: rank 0
 moves and releases rank 1; an unversioned rank 1 takes rank 0's version
 folder and skips the sleep; rank 0's OSError reaches rank 1 as
 RuntimeError; a NotFoundError rank 0 meets is rank 1's own NotFoundError;
 a rank 0 that finished before rank 1 looked releases it at once; a beating
 rank 0 is waited for past the silence limit, up to the timeout, then not;
-a stopped one holds nobody after 120 s; rank 0 rewrites a successful
-"done" for _RESUME_ORDER_SILENCE s, then stops, and an error not at all; a failed read after
-seconds_to_sleep keeps rank 1 waiting for a rank 0 still checking; a state
-of an earlier run releases nobody, even with a failed read in between; a
-rank 0 later than seconds_to_sleep is waited for while every other rank
-waits (also after an earlier round's "done"; not without them, nor for an
-earlier run's record), for at most 120
-s more; the start counted from a shell's exec; two ranks not sharing the
-folder go on after seconds_to_sleep; Lightning's launcher. All but the one
-for ranks not sharing the folder fail before this change (most on
-importing the new helpers, which they drive directly with a fake clock).
+a stopped one holds nobody after 120 s, nor do reads that all hang, after
+the timeout, while a suspended job keeps waiting for rank 0 after it
+resumes; rank 0 rewrites a successful "done" for _RESUME_ORDER_SILENCE s,
+then stops, and an error not at all; a failed read after seconds_to_sleep
+keeps rank 1 waiting for a rank 0 still checking; a state of an earlier
+run releases nobody, even with a failed read in between; a rank 0 later
+than seconds_to_sleep is waited for while every other rank waits (also
+after an earlier round's "done"; not without them, nor for an earlier
+run's record), for at most 120 s more, and so is one whose state is listed
+but not found by its name; the start counted from a shell's exec; two
+ranks not sharing the folder go on after seconds_to_sleep; Lightning's
+launcher. All but the one for ranks not sharing the folder fail before
+this change (most on importing the new helpers, which they drive directly
+with a fake clock).
 tests/core/test_exp_manager_resume_race.py starts 4 ranks with torchrun on
 a log_dir holding 2000 old files and a last checkpoint, seconds_to_sleep
 3 s, rank 0 entering exp_manager() 6 s late: run_0 must hold exactly the
@@ -356,7 +372,7 @@ same reason the global rank stays computed from node_rank, num_devices and
 the local rank rather than trainer.global_rank (which would be SLURM_PROCID
 with cyclic task distribution, but 0 in every one-device process). No row
 of the table gets a name worse than today's; the stale comment ("not set
-until trainer.fit") is replaced by why (3 of the lines added).
+until trainer.fit") is replaced by why (2 of the lines added).
 
 Tested: tests/core/test_exp_manager.py, TestExpManager:
 test_per_rank_log_file_under_srun sets the SLURM variables of task 3 of an

@@ -141,16 +141,25 @@ Review points, one by one:
   not list it: no image suffix). A killed extraction leaves its folder
   next to the destination, so nothing that lists the destination sees it
   (ImageFolder would take a folder inside it for a class and shift every
-  label); only the fallback above makes it inside.
+  label); only the fallback above makes it inside. Where the destination's
+  parent is itself a dataset root, that folder is listed there: ImageNet's
+  parse_train_archive() extracts each class archive into train/<wnid>, so
+  a kill mid-extraction leaves train/.<wnid>.<pid>.<hex>.partial, which
+  ImageFolder takes for a class (ImageNet then fails with a KeyError on
+  it; today such a kill leaves a silently incomplete class folder). A
+  find_classes() that skipped dot-folders would cure both; not done here.
 - Atomic per file, not per tree: a process may see some members of an
   archive published and others not yet. A folder rename cannot merge into
   an existing destination; datasets check for their whole tree
   (_check_exists, _check_integrity), and the next commit makes the MNIST
   family download and extract once.
 - Windows: os.replace() onto a file another process has open raises
-  PermissionError there. Such a file was published complete (by another
-  process writing the same download or archive), so _replace() keeps it;
-  elsewhere the error is raised as before. Nothing POSIX-only is used
+  PermissionError there. _replace() then writes the new content over it
+  in place, as torchvision writes every file today: that reader may see
+  it partly written, as it may today, but a file that failed its md5 is
+  never kept (keeping the file there, as an earlier version did, let
+  download_url() return a stale one). Elsewhere the error is raised as
+  before. Nothing POSIX-only is used
   (os.replace, os.rename, os.makedirs, shutil.rmtree).
 - gdown and the remote-location hook are left as they are:
   download_file_from_google_drive() hands the path to gdown, which already
@@ -172,8 +181,8 @@ a tar or zip archive, the final path must never hold a partial file (the
 fake response, the decompressor and the archive copy look at it on every
 read); a truncated archive must leave nothing in the destination; the
 md5 is computed without reading the file back (calculate_md5 is never
-called); _replace() keeps a complete file it may not replace on Windows
-(os mocked) and raises where there is none. Before this change those
+called); _replace() writes over a file it may not replace on Windows
+(os mocked), as before this change. Before this change those
 fail (the first eight on their assertions). Behaviour kept, and checked:
 a good download, an extraction into an existing folder, into the working
 directory, and with the fallback inside the destination (mkdir or rename

@@ -30,9 +30,8 @@ if TYPE_CHECKING:  # found in nemo.utils.exp_manager, where these functions run
     from nemo.utils.get_rank import is_global_rank_zero
 
 
-# While check_resume() runs, global rank 0 rewrites its state every _RESUME_ORDER_BEAT s. The others carry on as without
-# ordering once it did not change for _RESUME_ORDER_SILENCE s (longer than NFS and FUSE attribute caches), or once it
-# has not finished within the process-group timeout: a stopped rank 0 that recovers finds them in fit(), as without.
+# Global rank 0 rewrites its state every _RESUME_ORDER_BEAT s while it checks. The others carry on as without ordering
+# once it is unchanged for _RESUME_ORDER_SILENCE s (> NFS/FUSE attribute caches) or unfinished after the group timeout.
 _RESUME_ORDER_BEAT, _RESUME_ORDER_SILENCE, _RESUME_ORDER_TIMEOUT = 1.0, 120.0, timedelta(minutes=30)
 _RESUME_ORDER_CALLS = itertools.count()  # the n-th multi-rank exp_manager() call of a process meets the others' n-th
 
@@ -42,7 +41,7 @@ def _resume_order_run() -> Optional[list]:
     one process at a time; a loopback one is per host), else SLURM's job, step and restart count; else None."""
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("MASTER_PORT"):
         address = os.environ.get("MASTER_ADDR", "")
-        host = socket.gethostname() if address in ("", "localhost") or address.startswith("127.") else None
+        host = socket.gethostname() if address in ("", "localhost", "::1") or address.startswith("127.") else None
         return [os.environ["TORCHELASTIC_RUN_ID"], address, os.environ["MASTER_PORT"], host]
     if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"):
         return [os.environ.get(name) for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT")]
@@ -50,9 +49,8 @@ def _resume_order_run() -> Optional[list]:
 
 
 def _process_start_time() -> float:
-    """When this program started (Linux), else now. A torchrun restart or a rerun in the same SLURM step starts after
-    every process of the earlier one ended: a state written well after this is this run's. A shell execs its last
-    command (`python a.py; python a.py`) in its own process: this thread's CPU time moves the start past that exec."""
+    """When this program started (Linux), else now: a state written well after it is this run's (a restart starts after
+    the earlier run ended). A shell execs its last command in its process: this thread's CPU time moves past that."""
     try:
         with open("/proc/self/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -88,17 +86,19 @@ def _write_resume_state(path: Path, state: Dict[str, Any]) -> None:
 
 
 def _rank_zero_is_late(meeting_dir: Path, rank: int, world_size: int) -> bool:
-    """Every other non-zero rank of this run waits here too (a rank<N>.<time> since this process started, less skew)."""
+    """Every other non-zero rank of this run waits here too (a rank<N>.<time> since this process started, less skew),
+    or the state is listed but not found by its name (a FUSE client caching a lookup that found nothing)."""
     with contextlib.suppress(OSError):
-        names = [n.partition(".") for n in os.listdir(meeting_dir) if n.startswith("rank")]
+        listed = os.listdir(meeting_dir)
+        names = [n.partition(".") for n in listed if n.startswith("rank")]
         here = {r for r, _, t in names if t.isdigit() and int(t) > _RESUME_ORDER_STARTED - _RESUME_ORDER_SKEW}
-        return world_size > 2 and here >= {f"rank{r}" for r in range(1, world_size) if r != rank}
+        late = world_size > 2 and here >= {f"rank{r}" for r in range(1, world_size) if r != rank}
+        return late or ("state" in listed and not (meeting_dir / "state").exists())
     return False
 
 
 def _check_resume_first(meeting_dir: Path, run_check_resume: Callable[[], None], version: Optional[str]) -> None:
-    """Global rank 0: say that it checks (beating), run check_resume(), then publish how that ended and its version, and
-    a success again for _RESUME_ORDER_SILENCE s: a rank that starts later still tells it from an earlier run's."""
+    """Global rank 0: beat while check_resume() runs, then publish its outcome (a success: again, for 120 s)."""
     state_file, lock, progress = meeting_dir / "state", threading.Lock(), {"phase": "checking", "beat": 0}
     who = {"session": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "version": version}
 
@@ -146,9 +146,8 @@ def _wait_for_rank_zero(
     sleep: Callable[[float], None] = time.sleep,
     world_size: int = 2,
 ) -> Optional[Dict[str, Any]]:
-    """A non-zero rank: wait until global rank 0 of this run finished check_resume(); return its state (its error
-    included). None if no rank 0 of this run came within grace seconds (it meets elsewhere), or _RESUME_ORDER_SILENCE
-    s more if it is late, or it stopped showing progress: the rank then carries on as without this wait."""
+    """A non-zero rank: wait until global rank 0 of this run finished check_resume(): its state (error included), or
+    None (go on as without this wait) if no rank 0 came in grace s (+_RESUME_ORDER_SILENCE if late) or it went quiet."""
     logging.info(f"Rank {rank} waits for global rank 0 to check {meeting_dir.parent.parent} for resuming")
     arrival, state_file, live_sessions = meeting_dir / f"rank{rank}.{time.time():.0f}", meeting_dir / "state", set()
     started = noted = polled = clock()
@@ -158,9 +157,9 @@ def _wait_for_rank_zero(
             with contextlib.suppress(OSError):
                 arrival.touch()
         for polls in itertools.count():
-            state, now = _read_resume_state(state_file), clock()
-            if changed is not None and now - polled > 10:  # this rank was stopped itself: not rank 0's silence
-                changed, first_seen = now, first_seen + (now - polled)
+            stopped, state, now = clock() - polled, _read_resume_state(state_file), clock()
+            if changed is not None and now - polled > 10:  # this rank stopped, or its read hung: not rank 0's silence
+                changed, first_seen = now, first_seen + (stopped if stopped > 10 else 0)  # hung reads: the timeout
             polled, seen = now, (state.get("session"), state.get("phase"), state.get("beat"))
             if state and last is not None and seen != last:  # only a live rank 0 changes its state: this run's
                 live_sessions.add(state.get("session"))
@@ -232,8 +231,7 @@ def _check_resume_in_order(
         if world_size > 1 and is_global_rank_zero() and not external:  # the ranks it starts in fit() find it done
             os.environ[NEMO_ENV_VARNAME_RESUME_CHECKED] = f"{os.getpid()}:{call}"
         return cfg.seconds_to_sleep, log_dir, version
-    # Every rank of the run computes the same folder: the part of log_dir without the version, and the run.
-    base = Path(log_dir) if cfg.explicit_log_dir else Path(exp_dir) / str(name)
+    base = Path(log_dir) if cfg.explicit_log_dir else Path(exp_dir) / str(name)  # the same on every rank of the run
     meeting_dir = base / ".exp_manager" / uuid.uuid5(uuid.NAMESPACE_OID, json.dumps([*run, call])).hex[:12]
     try:
         meeting_dir.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,7 @@ if TYPE_CHECKING:  # found in torchvision.datasets.mnist, where these functions 
 
 
 def _download_once(download: Callable[[Any], None]) -> Callable[[Any], None]:
-    # One process downloads into the root (see _DownloadLock); the others wait until they find the files complete.
-    @functools.wraps(download)
+    @functools.wraps(download)  # one process downloads (see _DownloadLock); the others wait for the complete files
     def wrapper(self: Any) -> None:
         if self._check_exists():
             return

@@ -39,15 +39,15 @@ def _temp_sibling(path: Union[str, pathlib.Path]) -> str:
 def _replace(src: str, dst: str) -> None:
     try:
         os.replace(src, dst)
-    except PermissionError:  # on Windows, while another process has dst open: the complete file there stays
-        if os.name != "nt" or not os.path.isfile(dst):
+    except PermissionError:  # on Windows, while another process has dst open: write over it in place, as before
+        if os.name != "nt":
             raise
+        shutil.copyfile(src, dst)
 
 
 @contextlib.contextmanager
 def _atomic_path(path: Union[str, pathlib.Path]) -> Iterator[str]:
-    # A temporary for ``path``'s content, moved to ``path`` if the block succeeds: no process sees a partial file.
-    tmp = _temp_sibling(path)
+    tmp = _temp_sibling(path)  # moved to ``path`` once the block succeeds: no process sees a partial file
     try:
         yield tmp
         _replace(tmp, path)

@@ -86,6 +86,14 @@ class TestExpManager:
 
         return (lambda: now[0]), sleep, now
 
+    def _join_beats(self, before, guard=10):
+        """Wait until the beat threads started since ``before`` (threads then) ended (hang guard only)."""
+        import threading
+
+        for thread in [t for t in threading.enumerate() if t.name.endswith("(beat)") and t not in before]:
+            thread.join(guard)
+            assert not thread.is_alive(), "rank 0 still rewrites its state"
+
     def _meeting_dir(self, base, guard=10):
         """The folder under base/.exp_manager/ where the ranks meet, once a rank made it."""
         import time
@@ -139,7 +147,8 @@ class TestExpManager:
         thread.join()
         assert released[0]["phase"] == "done" and released[0]["error"] is None
         assert (tmp_path / "run_0" / "old.log").read_text() == "old"
-        assert [p.name for p in self._meeting_dir(tmp_path).iterdir()] == ["state"]
+        left = [p.name for p in self._meeting_dir(tmp_path).iterdir() if not p.name.startswith(".state.")]
+        assert left == ["state"]  # (rank 0 still rewrites its done, through temporaries, for _RESUME_ORDER_SILENCE s)
 
     @pytest.mark.unit
     def test_resume_order_rank_released_with_rank_zero_version(self, monkeypatch, tmp_path):
@@ -228,7 +237,7 @@ class TestExpManager:
         assert 10 * silence <= now[0] <= 10 * silence + 3
 
     @pytest.mark.unit
-    def test_resume_order_stopped_rank_zero_holds_nobody(self, tmp_path):
+    def test_resume_order_stopped_rank_zero_holds_nobody(self, monkeypatch, tmp_path):
         """Rank 0 of this run stopped beating (SIGSTOP, its host cut off from the folder): rank 1 carries on as without
         ordering once its state has not changed for _RESUME_ORDER_SILENCE, so that a rank 0 that recovers finds it in
         fit() as it would without ordering (fake clock)."""
@@ -243,6 +252,42 @@ class TestExpManager:
         assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep) is None
         silence = exp_manager_module._RESUME_ORDER_SILENCE
         assert silence <= now[0] <= silence + 2
+        # Every read hangs for 11 s (a soft NFS mount): no silence across a hung read, but the timeout ends the wait.
+        read = exp_manager_module._read_resume_state
+        clock, sleep, now = self._fake_time()
+        monkeypatch.setattr(
+            exp_manager_module, "_read_resume_state", lambda path: now.__setitem__(0, now[0] + 11) or read(path)
+        )
+        timeout = exp_manager_module._RESUME_ORDER_TIMEOUT.total_seconds()
+        assert _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep) is None
+        assert timeout <= now[0] <= timeout + 30  # (each poll takes 11-12 s here)
+
+    @pytest.mark.unit
+    def test_resume_order_suspended_job_keeps_waiting_for_rank_zero(self, tmp_path):
+        """The whole job is suspended for longer than the timeout (scontrol suspend) while rank 0 checks: rank 1 counts
+        that time neither as rank 0's silence nor against the timeout, and takes rank 0's "done" (fake clock)."""
+        import nemo.utils.exp_manager as exp_manager_module
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        suspended = exp_manager_module._RESUME_ORDER_TIMEOUT.total_seconds() + 100
+
+        def rank_zero(now):
+            phase = (
+                {"phase": "checking", "beat": int(now)} if now < suspended + 15 else {"phase": "done", "error": None}
+            )
+            (tmp_path / "state").write_text(json.dumps({"session": "s", "time": 0, **phase}))
+
+        def suspend_once(now):
+            rank_zero(now)
+            if 10 <= now < 11 and not resumed:
+                resumed.append(now)
+                clock_now[0] += suspended  # this rank and rank 0 stopped alike
+
+        resumed = []
+        clock, sleep, clock_now = self._fake_time(suspend_once)
+        rank_zero(0)
+        state = _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep)
+        assert resumed and state is not None and state["phase"] == "done"
 
     @pytest.mark.unit
     def test_resume_order_failed_read_after_seconds_to_sleep_keeps_waiting(self, tmp_path):
@@ -326,6 +371,7 @@ class TestExpManager:
         """After check_resume(), global rank 0 publishes its "done" again every _RESUME_ORDER_BEAT s for
         _RESUME_ORDER_SILENCE s (so a rank that starts later tells it from an earlier run's by its time), then stops;
         an error it publishes once."""
+        import threading
         import time
 
         import nemo.utils.exp_manager as exp_manager_module
@@ -333,6 +379,7 @@ class TestExpManager:
 
         monkeypatch.setattr(exp_manager_module, "_RESUME_ORDER_BEAT", 0.01)
         monkeypatch.setattr(exp_manager_module, "_RESUME_ORDER_SILENCE", 0.3)
+        before = set(threading.enumerate())
         _check_resume_first(tmp_path, lambda: None, "v")
         first = json.loads((tmp_path / "state").read_text())
         deadline = time.monotonic() + 10  # hang guard only
@@ -341,18 +388,39 @@ class TestExpManager:
         again = json.loads((tmp_path / "state").read_text())
         assert first["phase"] == again["phase"] == "done" and again["beat"] > first["beat"]
         assert again["session"] == first["session"] and again["version"] == "v" and again["time"] >= first["time"]
-        time.sleep(1.0)  # past its 0.3 s: the republishing has ended
-        last = (tmp_path / "state").read_text()
-        time.sleep(0.2)
-        assert (tmp_path / "state").read_text() == last and [p.name for p in tmp_path.iterdir()] == ["state"]
+        self._join_beats(before)  # the republishing ends after its 0.3 s
+        assert json.loads((tmp_path / "state").read_text())["phase"] == "done"
+        assert [p.name for p in tmp_path.iterdir()] == ["state"]
         failed = tmp_path / "failed"  # an error is not republished (a retry must not take it for its own run's)
         failed.mkdir()
         with pytest.raises(OSError):
             _check_resume_first(failed, lambda: (_ for _ in ()).throw(OSError("move failed")), "v")
-        time.sleep(0.2)
-        last = (failed / "state").read_text()
-        time.sleep(0.2)
-        assert (failed / "state").read_text() == last and json.loads(last)["error"] == "OSError: move failed"
+        error = json.loads((failed / "state").read_text())
+        self._join_beats(before)
+        last = json.loads((failed / "state").read_text())
+        assert last["error"] == error["error"] == "OSError: move failed"
+        assert last["beat"] - error["beat"] <= 1  # at most a beat already under way; republished, it would be ~30 more
+
+    @pytest.mark.unit
+    def test_resume_order_rank_zero_listed_but_not_found_is_waited_for(self, tmp_path):
+        """Two ranks: rank 0 comes 3 s late, within seconds_to_sleep, but rank 1's client keeps answering "no such
+        file" for the state until 8 s (a FUSE client caching the failed lookup of rank 1's first poll; played by a
+        dangling symlink). At seconds_to_sleep rank 1 finds the state listed in the folder, so it waits for rank 0
+        instead of going on while rank 0 moves files (fake clock)."""
+        from nemo.utils.exp_manager import _wait_for_rank_zero
+
+        def rank_zero(now):
+            state = tmp_path / "state"
+            if 3 <= now < 8 and not state.is_symlink():
+                state.symlink_to(tmp_path / "nowhere")  # listed, but not found by its name
+            elif now >= 8:
+                state.unlink(missing_ok=True)
+                phase = {"phase": "checking", "beat": int(now)} if now < 10 else {"phase": "done", "error": None}
+                state.write_text(json.dumps({"session": "s", "time": 0, **phase}))
+
+        clock, sleep, now = self._fake_time(rank_zero)
+        state = _wait_for_rank_zero(tmp_path, 1, 5, clock=clock, sleep=sleep)
+        assert state is not None and state["phase"] == "done" and 10 <= now[0] <= 12
 
     @pytest.mark.unit
     def test_resume_order_late_rank_zero_is_waited_for_a_bounded_time(self, tmp_path):
