@@ -9,24 +9,26 @@ of the folder, a start skew of up to 50 ms that ended up in the "other ranks"
 column; it is still passed first, to measure that skew.)
 
 Timestamps (``time.time()``, one clock on this machine) are taken on the
-benchmark side only: around ``exp_manager``, around ``Barrier.open``,
-``release`` and ``wait``, and at every read and publication of ``state`` by
-the channel; the library's code is not changed. Appends one JSON line per variant to ``<side>/times.<rank>.jsonl``.
+benchmark side only: around ``exp_manager``, around the upstream PR's
+``_check_resume_first`` and ``_wait_for_rank_zero`` and the ``check_resume``
+they call, and at every read and write of ``state``; the library's code is not
+changed. Appends one JSON line per variant to ``<side>/times.<rank>.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import nemo_safe
-from nemo_safe.barrier import Barrier
-from nemo_safe.barrier_channels import FileChannel, StoreChannel
+from nemo_safe.patches import nemo_resume_core, nemo_resume_upstream
 from nemo_safe_tools import demo
 
 CONFIGS = {
@@ -42,45 +44,50 @@ CONFIGS = {
 #: Seconds between the last rank's arrival at the gate and the common start instant.
 LEAD = 0.5
 
-#: Barrier events of the current variant: first start / last end of each wrapped call, every poll.
+#: Events of the current variant: first start / last end of each timed function, every poll, every state written.
 TRACE: dict[str, Any] = {}
+#: The upstream PR's functions the overlay runs, timed where they find one another (plus the check_resume they call).
+TIMED = ("_check_resume_first", "_wait_for_rank_zero", "check_resume")
 
 
 def instrument() -> None:
-    """Wrap Barrier's methods with timestamps (this process only; the library's code is unchanged)."""
+    """Timestamp the upstream PR's functions the overlay runs (this process only; the library's code is unchanged).
 
-    def timed(name: str) -> None:
-        original = getattr(Barrier, name)
+    They call one another by name in the namespace ``nemo_resume_core.bind`` makes, so the timed versions go
+    there; rank 0's state writes go through ``nemo_resume_upstream._write_resume_state``. Call this before
+    nemo.utils.exp_manager is imported (that import patches it, and so binds the core).
+    """
 
-        def wrapped(self: Barrier, *a: Any, **k: Any) -> Any:
+    def timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
             TRACE.setdefault(f"{name}.start", time.time())
             try:
-                return original(self, *a, **k)
+                return original(*a, **k)
             finally:
                 TRACE[f"{name}.end"] = time.time()
 
-        setattr(Barrier, name, wrapped)
+        return wrapped
 
-    for name in ("open", "release", "wait"):
-        timed(name)
-    # Reads and writes of ``state`` at the channel (the API both channels share), so that this
-    # does not depend on how the barrier splits its work between classes.
-    for channel in (FileChannel, StoreChannel):
-        read, publish = channel.read_state, channel.publish_state
+    def read_state(path: Path, _read: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+        before = time.time()
+        state = _read(path)
+        TRACE.setdefault("polls", []).append([before, time.time(), state.get("phase")])
+        return state
 
-        def read_state(self: Any, _read: Any = read) -> Any:
-            before = time.time()
-            state = _read(self)
-            phase = state.get("phase") if isinstance(state, dict) else None
-            TRACE.setdefault("polls", []).append([before, time.time(), phase])
-            return state
+    def bind(module: Any, check_resume: Any, _bind: Any = nemo_resume_core.bind) -> Any:
+        order = _bind(module, check_resume)
+        names = order.__wrapped__.__globals__  # the core's namespace
+        for name in TIMED:
+            names[name] = timed(name, names[name])
+        names["_read_resume_state"] = functools.partial(read_state, _read=names["_read_resume_state"])
+        return order
 
-        def publish_state(self: Any, body: dict[str, Any], _publish: Any = publish) -> None:
-            _publish(self, body)
-            TRACE.setdefault("published", []).append([body.get("phase"), time.time()])
+    def write_state(path: Path, state: dict[str, Any], _write: Any = nemo_resume_upstream._write_resume_state) -> None:
+        _write(path, state)
+        TRACE.setdefault("published", []).append([state.get("phase"), time.time()])
 
-        channel.read_state = read_state  # type: ignore[method-assign]
-        channel.publish_state = publish_state  # type: ignore[method-assign]
+    nemo_resume_core.bind = bind  # type: ignore[assignment]
+    nemo_resume_upstream._write_resume_state = write_state  # type: ignore[assignment]
 
 
 def common_start(side: Path, rank: int, world: int, name: str, timeout: float = 900) -> float:
@@ -110,10 +117,10 @@ def main() -> int:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--nemo-safe-first", action="store_true", help="run the nemo_safe variant first")
     args = p.parse_args()
-    import lightning.pytorch as pl
-    from nemo.utils.exp_manager import exp_manager
-
     instrument()
+    import lightning.pytorch as pl
+    import nemo.utils.exp_manager as exp_manager_module
+
     ident = nemo_safe.detect_identity()
     side = Path(args.side)
     order = ("nemo_safe", "upstream") if args.nemo_safe_first else ("upstream", "nemo_safe")
@@ -131,7 +138,7 @@ def main() -> int:
         TRACE.clear()
         enter = time.time()
         started, cpu = time.monotonic(), time.process_time()
-        exp_manager(trainer, cfg)
+        exp_manager_module.exp_manager(trainer, cfg)  # the module's: patched or not, as the variant says
         seconds, cpu = time.monotonic() - started, time.process_time() - cpu
         end = time.time()
         record = {

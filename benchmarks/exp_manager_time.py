@@ -14,8 +14,8 @@ seconds (median, max), their excess over rank 0's of the same launch
 (relative: rank r's seconds minus rank 0's), and how much later than rank 0
 they left exp_manager (end minus rank 0's end); upstream / nemo_safe ratios.
 Table 2 (nemo_safe): where the time goes, from timestamps the member takes
-around the barrier calls (``nan`` since exp_manager runs the upstream PR's
-code, not the barrier); and the start spread of the earlier 50 ms-poll gate
+around the upstream PR's functions the overlay runs and at every read and
+write of their state file; and the start spread of the earlier 50 ms-poll gate
 against the common instant.
 
 Run: .venv/bin/python benchmarks/exp_manager_time.py [--rounds 3] [--no-slurm] [--old-files 2000] [--per-node 4]
@@ -98,55 +98,58 @@ def med(xs: list[float]) -> float:
 
 
 def breakdown(ranks: list[Record]) -> dict[str, list[float]]:
-    """Milliseconds of one nemo_safe launch, split at the barrier's calls (see the member)."""
+    """Milliseconds of one nemo_safe launch, split at the upstream PR's functions (see the member)."""
     r0, t0 = ranks[0], ranks[0]["trace"]
     ms = 1000.0
     out: dict[str, list[float]] = {k: [] for k in PARTS}
-    done_published = next((t for phase, t in t0.get("published", []) if phase == "done"), None)
-    collect_published = next((t for phase, t in t0.get("published", []) if phase == "collect"), None)
-    if "open.start" in t0 and "release.start" in t0:
-        out["r0: enter -> open()"].append((t0["open.start"] - r0["enter"]) * ms)
-        out["r0: open() (mkdir, leader claim, state=collect)"].append((t0["open.end"] - t0["open.start"]) * ms)
-        out["r0: open() -> release(): check_resume's work"].append((t0["release.start"] - t0["open.end"]) * ms)
-        out["r0: release() (listdir, state=done)"].append((t0["release.end"] - t0["release.start"]) * ms)
-        out["r0: release() -> leave: NeMo's rank-0 work (git, log files)"].append((r0["end"] - t0["release.end"]) * ms)
+    published = t0.get("published", [])
+    checking = next((t for phase, t in published if phase == "checking"), None)
+    done = next((t for phase, t in published if phase == "done"), None)
+    if "_check_resume_first.start" in t0 and checking is not None and done is not None:
+        out["r0: enter -> _check_resume_first()"].append((t0["_check_resume_first.start"] - r0["enter"]) * ms)
+        out["r0: -> state=checking written"].append((checking - t0["_check_resume_first.start"]) * ms)
+        out["r0: check_resume()'s work"].append((t0["check_resume.end"] - t0["check_resume.start"]) * ms)
+        out["r0: check_resume() -> state=done written"].append((done - t0["check_resume.end"]) * ms)
+        out["r0: state=done -> leave: NeMo's rank-0 work (git, log files)"].append((r0["end"] - done) * ms)
     out["r0: CPU time in exp_manager"].append(r0["cpu"] * ms)
     for r in ranks[1:]:
         t = r["trace"]
-        if "wait.start" not in t:
+        if "_wait_for_rank_zero.start" not in t:
             continue
         polls = t.get("polls", [])
         out["rN: CPU time in exp_manager"].append(r["cpu"] * ms)
-        out["rN: enter -> wait()"].append((t["wait.start"] - r["enter"]) * ms)
-        if collect_published is not None:
-            out["rN: wait() start - r0's state=collect"].append((t["wait.start"] - collect_published) * ms)
+        out["rN: enter -> _wait_for_rank_zero()"].append((t["_wait_for_rank_zero.start"] - r["enter"]) * ms)
+        if checking is not None:
+            out["rN: wait start - r0's state=checking"].append((t["_wait_for_rank_zero.start"] - checking) * ms)
         seen = next((p for p in polls if p[2] == "done"), None)
-        if seen is not None and done_published is not None:
-            before = [p for p in polls if p[1] <= done_published]
-            out["rN: r0's state=done -> first read seeing it"].append((seen[1] - done_published) * ms)
+        if seen is not None and done is not None:
+            before = [p for p in polls if p[1] <= done]
+            out["rN: r0's state=done -> first read seeing it"].append((seen[1] - done) * ms)
             if before:  # the read before the release and the one that saw it
                 out["rN: poll gap around the release"].append((seen[0] - before[-1][0]) * ms)
         out["rN: polls per wait"].append(float(len(polls)))
-        out["rN: wait() -> leave: NeMo's work after the barrier"].append((r["end"] - t["wait.end"]) * ms)
-        if done_published is not None:
-            out["rN: leave - r0's state=done"].append((r["end"] - done_published) * ms)
+        out["rN: wait end -> leave: check_resume() in r0's log_dir, NeMo's work"].append(
+            (r["end"] - t["_wait_for_rank_zero.end"]) * ms
+        )
+        if done is not None:
+            out["rN: leave - r0's state=done"].append((r["end"] - done) * ms)
     return out
 
 
 PARTS = (
-    "r0: enter -> open()",
-    "r0: open() (mkdir, leader claim, state=collect)",
-    "r0: open() -> release(): check_resume's work",
-    "r0: release() (listdir, state=done)",
-    "r0: release() -> leave: NeMo's rank-0 work (git, log files)",
+    "r0: enter -> _check_resume_first()",
+    "r0: -> state=checking written",
+    "r0: check_resume()'s work",
+    "r0: check_resume() -> state=done written",
+    "r0: state=done -> leave: NeMo's rank-0 work (git, log files)",
     "r0: CPU time in exp_manager",
     "rN: CPU time in exp_manager",
-    "rN: enter -> wait()",
-    "rN: wait() start - r0's state=collect",
+    "rN: enter -> _wait_for_rank_zero()",
+    "rN: wait start - r0's state=checking",
     "rN: polls per wait",
     "rN: r0's state=done -> first read seeing it",
     "rN: poll gap around the release",
-    "rN: wait() -> leave: NeMo's work after the barrier",
+    "rN: wait end -> leave: check_resume() in r0's log_dir, NeMo's work",
     "rN: leave - r0's state=done",
 )
 
