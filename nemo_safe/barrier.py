@@ -47,6 +47,7 @@ rank 0 is only late and is waited for up to 120 s more (never past the timeout).
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import threading
@@ -109,8 +110,7 @@ class Barrier:
         poll_max: float | None = None,
         keep_parent: bool = False,
     ) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigurationError(f"barrier {name!r}: world_size must be an int >= 1, got {world_size!r}")
+        _check_world_size(name, world_size)
         identity = None
         if rank is None or attempt_key is None:
             identity = cluster_identity.detect()
@@ -221,8 +221,10 @@ def rank_zero_first(
     """Run the body on rank 0 first; every other rank enters the body only after
     rank 0's body finished, and gets :class:`~nemo_safe.errors.RankZeroFailed` if it raised.
 
-    ``world_size`` defaults to the launcher's; with one process nothing is written.
+    ``world_size`` defaults to the launcher's; with one process nothing is written, but the arguments
+    are checked as with many (a script tried alone must not fail first on the cluster).
     """
+    _check_arguments(world_size, name, kwargs)
     if world_size is None:
         world_size = cluster_identity.detect().world_size
     if world_size == 1:
@@ -231,3 +233,21 @@ def rank_zero_first(
     barrier = Barrier(directory, world_size, name, **kwargs)
     with barrier.first():
         yield barrier
+
+
+def _check_world_size(name: str, world_size: object) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigurationError(f"barrier {name!r}: world_size must be an int >= 1, got {world_size!r}")
+
+
+def _check_arguments(world_size: int | None, name: str, kwargs: dict[str, Any]) -> None:
+    """What :class:`Barrier` refuses, refused before one is made (one process makes none)."""
+    keywords = [p.name for p in inspect.signature(Barrier).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(kwargs) - set(keywords))
+    if unknown:
+        raise TypeError(f"rank_zero_first() got unexpected keyword arguments {unknown}; it takes {keywords}")
+    if world_size is not None:
+        _check_world_size(name, world_size)
+    for seconds in ("timeout", "poll_max"):
+        if kwargs.get(seconds) is not None:
+            positive_seconds(f"barrier {name!r}: {seconds}", kwargs[seconds])

@@ -61,6 +61,29 @@ def test_single_process_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"timeot": 60}, TypeError, "unexpected keyword arguments \\['timeot'\\]"),
+        ({"local": True}, TypeError, "unexpected keyword arguments \\['local'\\]"),
+        ({"timeout": -1}, ConfigurationError, "timeout must be a finite, positive number"),
+        ({"timeout": float("nan")}, ConfigurationError, "timeout must be a finite, positive number"),
+        ({"poll_max": 0}, ConfigurationError, "poll_max must be a finite, positive number"),
+        ({"world_size": 0}, ConfigurationError, "world_size must be an int >= 1"),
+    ],
+)
+def test_rank_zero_first_refuses_bad_arguments_in_every_world_size(
+    tmp_path: Path, world_size: int, kwargs: dict, error: type, says: str
+) -> None:
+    """One process (where no barrier is made) refuses what two do, before anything is written: a script tried
+    alone must not first fail on the cluster. Before 2026-12-05 one process accepted all of these silently."""
+    arguments = {"world_size": world_size, **kwargs}
+    with pytest.raises(error, match=says), rank_zero_first(tmp_path, name="x", rank=0, attempt_key="k", **arguments):
+        pytest.fail("the block must not run")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_directory_is_named(tmp_path: Path) -> None:
     barrier = Barrier(tmp_path / "nope", 2, "x", rank=0, attempt_key="k", timeout=1)
     with pytest.raises(Exception, match="does not exist; create it"):
