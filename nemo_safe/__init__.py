@@ -6,10 +6,10 @@ It imports nothing heavy itself: no torch, lightning, nemo or torchvision.
 On a platform without ``os.O_NOFOLLOW`` or ``os.link`` (Windows) it patches nothing
 and logs one warning on the ``nemo_safe`` logger; every library then runs as upstream.
 
-Public API::
+Public API (every name in ``__all__``; docs/api.md describes each)::
 
     nemo_safe.rank_zero_first(directory, world_size, name)   # context manager
-    nemo_safe.Barrier                                        # the barrier itself (gather/open, wait)
+    nemo_safe.Barrier, nemo_safe.StoreChannel                # the barrier itself (gather/open, wait)
     nemo_safe.detect_identity()                              # rank, world size, attempt key
     nemo_safe.SingleFlight(directory, name).run(job, done)   # one process does a job, the others wait
     nemo_safe.patch() / nemo_safe.unpatch()                  # (re)apply / undo the patches
@@ -25,12 +25,14 @@ from nemo_safe import patches, patching, platform_support
 from nemo_safe.errors import (
     BarrierTimeout,
     ConfigurationError,
+    LeaderDeposed,
     LeaderFailed,
     NemoSafeError,
     RankZeroAbsent,
     RankZeroFailed,
     RankZeroStalled,
     RemoteFailure,
+    UnsafeArchivePath,
     UnsafeBarrierPath,
     WaitTimeout,
 )
@@ -38,6 +40,7 @@ from nemo_safe.lazy_attributes import module_getattr
 
 if TYPE_CHECKING:
     from nemo_safe.barrier import Barrier, rank_zero_first
+    from nemo_safe.barrier_channels import StoreChannel
     from nemo_safe.cluster_identity import ClusterIdentity
     from nemo_safe.cluster_identity import detect as detect_identity
     from nemo_safe.single_flight import SingleFlight
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 _ON_FIRST_USE = {
     "Barrier": ("nemo_safe.barrier", "Barrier"),
     "rank_zero_first": ("nemo_safe.barrier", "rank_zero_first"),
+    "StoreChannel": ("nemo_safe.barrier_channels", "StoreChannel"),
     "ClusterIdentity": ("nemo_safe.cluster_identity", "ClusterIdentity"),
     "detect_identity": ("nemo_safe.cluster_identity", "detect"),
     "SingleFlight": ("nemo_safe.single_flight", "SingleFlight"),
@@ -57,7 +61,8 @@ __getattr__ = module_getattr(__name__, globals(), _ON_FIRST_USE)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_ON_FIRST_USE})
+    """The public names only (not this module's own imports and helpers)."""
+    return sorted(__all__)
 
 
 __version__ = "0.1.0"
@@ -67,6 +72,7 @@ __all__ = [
     "BarrierTimeout",
     "ClusterIdentity",
     "ConfigurationError",
+    "LeaderDeposed",
     "LeaderFailed",
     "NemoSafeError",
     "RankZeroAbsent",
@@ -74,6 +80,8 @@ __all__ = [
     "RankZeroStalled",
     "RemoteFailure",
     "SingleFlight",
+    "StoreChannel",
+    "UnsafeArchivePath",
     "UnsafeBarrierPath",
     "WaitTimeout",
     "__version__",
