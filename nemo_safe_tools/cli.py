@@ -7,9 +7,11 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -31,6 +33,23 @@ WATCHED_DISTRIBUTIONS = {
 #: i x DEMO_SKEW s late (between half and all of it, upstream breaks by construction).
 DEMO_DOWNLOAD_SECONDS = 2.0
 DEMO_SKEW = 1.5
+
+
+def _seconds(allow_zero: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, positive (or also zero): NaN and infinity are refused here,
+    not by a child process's traceback."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite {'' if allow_zero else 'positive '}number "
+                                             f"of seconds{' (0 or more)' if allow_zero else ''}")  # fmt: skip
+        return value
+
+    return parse
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
@@ -60,6 +79,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     use_slurm = False if args.local else None
     workdir = Path(args.dir) if args.dir else None
     races = ("exp_manager", "download") if args.only is None else (args.only,)
+    ran = 0
     for race in races:
         if race == "exp_manager" and importlib.util.find_spec("nemo") is None:
             print("exp_manager race skipped: nemo_toolkit is not installed (pip install nemo_safe[nemo])\n")
@@ -79,6 +99,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 outcomes = download_race.compare(Path(tmp), args.download_ranks, DEMO_DOWNLOAD_SECONDS, DEMO_SKEW)
                 table = download_race.format_table(outcomes, args.download_ranks, DEMO_DOWNLOAD_SECONDS, DEMO_SKEW)
                 print(table + "\n", flush=True)
+        ran += 1
+    if not ran:
+        print("nemo-safe demo: no race could run (install nemo_toolkit and/or torchvision)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -108,10 +132,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             importlib.import_module(patch.module)
         except Exception as exc:  # an absent library, or one that fails to import here
             import_errors[patch.module] = f"{type(exc).__name__}: {exc}"
+    labels = [*WATCHED_DISTRIBUTIONS, *(patch.name for patch in patching.registered()), "cwd filesystem"]
+    width = 2 + max(len(label) for label in labels)  # one column for every section, two spaces at least
+
+    def row(label: str, text: str) -> None:
+        print(f"  {label:<{width}}{text}")
+
     print(f"nemo_safe {__version__}")
     print("libraries (installed distributions):")
     for dist, module_name in WATCHED_DISTRIBUTIONS.items():
-        print(f"  {dist:<20} {_library_version(dist, module_name)}")
+        row(dist, _library_version(dist, module_name))
     print("patches:")
     if patching.is_enabled():
         state = "enabled"
@@ -121,54 +151,67 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         state = f"off: this platform has no {' and no '.join(platform_support.missing())} (libraries run as upstream)"
     else:
         state = "not enabled"
-    print(f"  patching           {state}")
+    row("patching", state)
     for patch in patching.registered():
         if patch.module in import_errors:
             reason = import_errors[patch.module]
-            print(f"  {patch.name:<26} not applicable: {patch.module} cannot be imported ({reason})")
+            row(patch.name, f"not applicable: {patch.module} cannot be imported ({reason})")
             continue
         in_place, text = patching.status(patch)
-        print(f"  {patch.name:<26} {'ACTIVE' if in_place else 'inactive'}: {text}")
+        row(patch.name, f"{'ACTIVE' if in_place else 'inactive'}: {text}")
     print("environment:")
     try:
         ident = cluster_identity.detect()
     except NemoSafeError as exc:
-        print(f"  ERROR              {exc}")
+        row("ERROR", str(exc))
         return 1
-    print(f"  launcher           {ident.launcher}")
-    print(f"  rank               {ident.rank} (local {ident.local_rank}, node {ident.node_rank})")
-    print(f"  world size         {ident.world_size}")
-    print(f"  attempt key        {ident.attempt_key}")
-    print(f"  cwd filesystem     {filesystem_type(os.getcwd())}")
+    row("launcher", ident.launcher)
+    row("rank", f"{ident.rank} (local {ident.local_rank}, node {ident.node_rank})")
+    row("world size", str(ident.world_size))
+    row("attempt key", ident.attempt_key)
+    row("cwd filesystem", filesystem_type(os.getcwd()))
     for warning in ident.warnings:
-        print(f"  WARNING            {warning}")
+        row("WARNING", warning)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nemo-safe", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="nemo-safe", description="nemo_safe's command: selftest, demo and doctor (also python -m nemo_safe)."
+    )
     parser.add_argument("--version", action="version", version=f"nemo_safe {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress lines")
+    # -v after the subcommand too (nemo-safe selftest -v); SUPPRESS keeps the top level's value when absent.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress lines")
     sub = parser.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("selftest", help="run the barrier across local processes or the current srun/torchrun job")
+    st = sub.add_parser(
+        "selftest", parents=[verbose], help="run the barrier across local processes or the current srun/torchrun job"
+    )
     st.add_argument(
         "--dir",
         help="directory for the barrier (default: a temp dir locally, the cwd under a launcher); "
         "use your shared filesystem",
     )
     st.add_argument("--procs", type=int, default=4, help="local processes when not under a launcher (default 4)")
-    st.add_argument("--timeout", type=float, default=None, help="barrier timeout in seconds")
-    st.add_argument("--work-seconds", type=float, default=0.5, help="how long rank 0 works inside the barrier")
+    st.add_argument("--timeout", type=_seconds(allow_zero=False), default=None, help="barrier timeout in seconds")
+    st.add_argument(
+        "--work-seconds", type=_seconds(allow_zero=True), default=0.5, help="how long rank 0 works inside the barrier"
+    )
     st.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
     st.set_defaults(func=_cmd_selftest)
     dm = sub.add_parser(
-        "demo", help="NeMo's exp_manager resume race and torchvision's download race, upstream vs nemo_safe"
+        "demo",
+        parents=[verbose],
+        help="NeMo's exp_manager resume race and torchvision's download race, upstream vs nemo_safe",
     )
     dm.add_argument("--dir", help="where the demo's log dirs go (shared by all nodes under SLURM; default: a temp dir)")
     dm.add_argument("--nodes", type=int, default=2, help="SLURM nodes (default 2)")
     dm.add_argument("--tasks-per-node", type=int, default=4, help="tasks (devices) per node (default 4)")
     dm.add_argument("--old-files", type=int, default=2000, help="old files in log_dir (default 2000)")
-    dm.add_argument("--rank0-delay", type=float, default=6.0, help="seconds rank 0 starts late (default 6)")
+    dm.add_argument(
+        "--rank0-delay", type=_seconds(allow_zero=True), default=6.0, help="seconds rank 0 starts late (default 6)"
+    )
     dm.add_argument("--local", action="store_true", help="use local processes even if SLURM is reachable")
     dm.add_argument("--only", choices=["exp_manager", "download"], help="run one of the two races (default: both)")
     dm.add_argument(
@@ -179,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--side", help=argparse.SUPPRESS)
     dm.add_argument("--devices", type=int, default=4, help=argparse.SUPPRESS)
     dm.set_defaults(func=_cmd_demo)
-    doc = sub.add_parser("doctor", help="show versions, active patches and the detected environment")
+    doc = sub.add_parser("doctor", parents=[verbose], help="show versions, active patches and the detected environment")
     doc.set_defaults(func=_cmd_doctor)
     return parser
 
@@ -189,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
-    for name in ("procs", "nodes", "tasks_per_node"):
+    for name in ("procs", "nodes", "tasks_per_node", "download_ranks"):
         if getattr(args, name, 1) < 1:
             print(f"nemo-safe: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
-    if getattr(args, "old_files", 0) < 0 or getattr(args, "rank0_delay", 0) < 0:
-        print("nemo-safe: --old-files and --rank0-delay must not be negative", file=sys.stderr)
+    if getattr(args, "old_files", 0) < 0:
+        print("nemo-safe: --old-files must not be negative", file=sys.stderr)
         return 2
     if getattr(args, "dir", None) and not os.path.isdir(args.dir):
         print(f"nemo-safe: --dir {args.dir} is not an existing directory", file=sys.stderr)

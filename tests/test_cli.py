@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_selftest_default_dir() -> None:
 def test_doctor_warns_about_slurm_job_named_bash() -> None:
     out = _run("doctor", **{**slurm_env(0, 4, "77"), "SLURM_JOB_NAME": "bash"})
     assert out.returncode == 0, out.stderr
-    assert "launcher           none" in out.stdout
+    assert re.search(r"^  launcher +none$", out.stdout, flags=re.M), out.stdout
     assert "WARNING" in out.stdout and "-J" in out.stdout
     for dist in ("nemo_toolkit", "torch", "torchvision", "lightning"):
         assert dist in out.stdout
@@ -43,13 +44,52 @@ def test_doctor_warns_about_slurm_job_named_bash() -> None:
 
 def test_doctor_reports_slurm_identity() -> None:
     out = _run("doctor", **slurm_env(2, 4, "77"))
-    assert "launcher           slurm" in out.stdout and "world size         4" in out.stdout
+    assert re.search(r"^  launcher +slurm$", out.stdout, flags=re.M), out.stdout
+    assert re.search(r"^  world size +4$", out.stdout, flags=re.M), out.stdout
+
+
+def test_doctor_rows_share_one_column() -> None:
+    """Labels up to the longest patch name (34 characters) and their values: every row's value starts in one
+    column, two spaces at least after the longest label (before 2026-12-05 longer patch names pushed theirs)."""
+    out = _run("doctor")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("  ")]
+    starts = {len(line) - len(line[2:].split("  ", 1)[1].lstrip()) for line in rows}
+    assert len(starts) == 1, out.stdout
+    assert "torchvision-datasets-single-flight" in out.stdout
 
 
 def test_doctor_bad_launcher_value_is_a_clear_error() -> None:
     out = _run("doctor", **{**slurm_env(0, 4, "77"), "SLURM_PROCID": "abc"})
     assert out.returncode == 1
     assert "SLURM_PROCID='abc' is not an integer" in out.stdout
+
+
+def test_help_and_module_entry_point() -> None:
+    out = _run("--help")
+    assert out.returncode == 0 and "``" not in out.stdout, out.stdout  # plain text, not reStructuredText
+    module = subprocess.run([sys.executable, "-m", "nemo_safe", "--version"], env=clean_env(), capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert module.returncode == 0 and module.stdout.startswith("nemo_safe "), module
+
+
+def test_verbose_after_the_subcommand(tmp_path: Path) -> None:
+    out = _run("selftest", "-v", "--procs", "2", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "OK: every rank saw rank 0 finish first" in out.stdout
+
+
+def test_bad_numbers_are_refused_before_anything_starts() -> None:
+    for args, says in [
+        (("selftest", "--work-seconds", "nan"), "--work-seconds: 'nan' is not a finite number"),
+        (("selftest", "--work-seconds", "-1"), "--work-seconds: '-1' is not a finite number"),
+        (("selftest", "--timeout", "0"), "--timeout: '0' is not a finite positive number"),
+        (("demo", "--rank0-delay", "inf"), "--rank0-delay: 'inf' is not a finite number"),
+        (("demo", "--download-ranks", "0"), "--download-ranks must be at least 1"),
+    ]:
+        out = _run(*args)
+        assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
 
 
 def test_bad_arguments() -> None:
