@@ -61,8 +61,10 @@ __getattr__ = module_getattr(__name__, globals(), _ON_FIRST_USE)
 
 
 def __dir__() -> list[str]:
-    """The public names only (not this module's own imports and helpers)."""
-    return sorted(__all__)
+    """The public names, the module's own dunders and the submodules imported so far; not the helpers and
+    imports of this file (``log``, ``logging``, ``module_getattr``)."""
+    names = {*__all__, *(n for n in globals() if n.startswith("__") and n.endswith("__"))}
+    return sorted(names | {n for n, v in globals().items() if getattr(v, "__name__", "").startswith(__name__ + ".")})
 
 
 __version__ = "0.1.0"

@@ -45,8 +45,9 @@ def _seconds(allow_zero: bool) -> Callable[[str], float]:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite {'' if allow_zero else 'positive '}number "
-                                             f"of seconds{' (0 or more)' if allow_zero else ''}")  # fmt: skip
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: seconds must be a finite number {'>= 0' if allow_zero else '> 0'}"
+            )
         return value
 
     return parse
@@ -133,10 +134,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         except Exception as exc:  # an absent library, or one that fails to import here
             import_errors[patch.module] = f"{type(exc).__name__}: {exc}"
     labels = [*WATCHED_DISTRIBUTIONS, *(patch.name for patch in patching.registered()), "cwd filesystem"]
-    width = 2 + max(len(label) for label in labels)  # one column for every section, two spaces at least
+    width = max(len(label) for label in labels)  # one column for every section
 
     def row(label: str, text: str) -> None:
-        print(f"  {label:<{width}}{text}")
+        print(f"  {label:<{width}}  {text}")  # two spaces at least, also after a longer label
 
     print(f"nemo_safe {__version__}")
     print("libraries (installed distributions):")
@@ -177,7 +178,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="nemo-safe", description="nemo_safe's command: selftest, demo and doctor (also python -m nemo_safe)."
+        prog="nemo-safe", description="nemo_safe's command: selftest, demo and doctor (also python -m nemo_safe_tools)."
     )
     parser.add_argument("--version", action="version", version=f"nemo_safe {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress lines")

@@ -61,17 +61,19 @@ def test_single_process_writes_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+BAD_ARGUMENTS = [
+    ({"timeot": 60}, TypeError, "unexpected keyword arguments \\['timeot'\\]"),
+    ({"local": True}, TypeError, "unexpected keyword arguments \\['local'\\]"),
+    ({"timeout": -1}, ConfigurationError, "timeout must be a finite, positive number"),
+    ({"timeout": float("nan")}, ConfigurationError, "timeout must be a finite, positive number"),
+    ({"poll_max": 0}, ConfigurationError, "poll_max must be a finite, positive number"),
+]
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "error", "says"),
-    [
-        ({"timeot": 60}, TypeError, "unexpected keyword arguments \\['timeot'\\]"),
-        ({"local": True}, TypeError, "unexpected keyword arguments \\['local'\\]"),
-        ({"timeout": -1}, ConfigurationError, "timeout must be a finite, positive number"),
-        ({"timeout": float("nan")}, ConfigurationError, "timeout must be a finite, positive number"),
-        ({"poll_max": 0}, ConfigurationError, "poll_max must be a finite, positive number"),
-        ({"world_size": 0}, ConfigurationError, "world_size must be an int >= 1"),
-    ],
+    ("world_size", "kwargs", "error", "says"),
+    [(w, *case) for w in (1, 2) for case in BAD_ARGUMENTS]
+    + [(0, {}, ConfigurationError, "world_size must be an int >= 1")],
 )
 def test_rank_zero_first_refuses_bad_arguments_in_every_world_size(
     tmp_path: Path, world_size: int, kwargs: dict, error: type, says: str

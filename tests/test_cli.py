@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nemo_safe_tools.cli import build_parser
+
 from procs import clean_env, slurm_env
 
 NEMO_SAFE = str(Path(sys.executable).with_name("nemo-safe"))
@@ -53,8 +55,11 @@ def test_doctor_rows_share_one_column() -> None:
     column, two spaces at least after the longest label (before 2026-12-05 longer patch names pushed theirs)."""
     out = _run("doctor")
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith("  ")]
-    starts = {len(line) - len(line[2:].split("  ", 1)[1].lstrip()) for line in rows}
+    starts = set()
+    for line in (line for line in out.stdout.splitlines() if line.startswith("  ")):
+        parts = line[2:].split("  ", 1)
+        assert len(parts) == 2, f"no two spaces between label and value: {line!r}"
+        starts.add(len(line) - len(parts[1].lstrip()))
     assert len(starts) == 1, out.stdout
     assert "torchvision-datasets-single-flight" in out.stdout
 
@@ -68,12 +73,15 @@ def test_doctor_bad_launcher_value_is_a_clear_error() -> None:
 def test_help_and_module_entry_point() -> None:
     out = _run("--help")
     assert out.returncode == 0 and "``" not in out.stdout, out.stdout  # plain text, not reStructuredText
-    module = subprocess.run([sys.executable, "-m", "nemo_safe", "--version"], env=clean_env(), capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    module = subprocess.run([sys.executable, "-m", "nemo_safe_tools", "--version"], env=clean_env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert module.returncode == 0 and module.stdout.startswith("nemo_safe "), module
 
 
-def test_verbose_after_the_subcommand(tmp_path: Path) -> None:
+def test_verbose_before_or_after_the_subcommand(tmp_path: Path) -> None:
+    parse = build_parser().parse_args
+    assert parse(["selftest", "-v"]).verbose and parse(["-v", "selftest"]).verbose and parse(["doctor", "-v"]).verbose
+    assert not parse(["selftest"]).verbose
     out = _run("selftest", "-v", "--procs", "2", "--dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "OK: every rank saw rank 0 finish first" in out.stdout
@@ -81,10 +89,10 @@ def test_verbose_after_the_subcommand(tmp_path: Path) -> None:
 
 def test_bad_numbers_are_refused_before_anything_starts() -> None:
     for args, says in [
-        (("selftest", "--work-seconds", "nan"), "--work-seconds: 'nan' is not a finite number"),
-        (("selftest", "--work-seconds", "-1"), "--work-seconds: '-1' is not a finite number"),
-        (("selftest", "--timeout", "0"), "--timeout: '0' is not a finite positive number"),
-        (("demo", "--rank0-delay", "inf"), "--rank0-delay: 'inf' is not a finite number"),
+        (("selftest", "--work-seconds", "nan"), "--work-seconds: 'nan': seconds must be a finite number >= 0"),
+        (("selftest", "--work-seconds", "-1"), "--work-seconds: '-1': seconds must be a finite number >= 0"),
+        (("selftest", "--timeout", "0"), "--timeout: '0': seconds must be a finite number > 0"),
+        (("demo", "--rank0-delay", "inf"), "--rank0-delay: 'inf': seconds must be a finite number >= 0"),
         (("demo", "--download-ranks", "0"), "--download-ranks must be at least 1"),
     ]:
         out = _run(*args)

@@ -34,5 +34,8 @@ def test_every_error_class_is_exported() -> None:
     assert classes <= set(nemo_safe.__all__), sorted(classes - set(nemo_safe.__all__))
 
 
-def test_dir_shows_the_public_names_only() -> None:
-    assert dir(nemo_safe) == sorted(nemo_safe.__all__)
+def test_dir_shows_the_public_names_and_submodules_only() -> None:
+    shown = set(dir(nemo_safe))
+    assert set(nemo_safe.__all__) <= shown and {"__file__", "errors"} <= shown
+    others = {n for n in shown - set(nemo_safe.__all__) if not n.startswith("__")}
+    assert all(getattr(nemo_safe, n).__name__ == f"nemo_safe.{n}" for n in others), sorted(others)
