@@ -53,20 +53,29 @@ SWEEP_AFTER = 24 * 3600.0
 _ENVELOPE = {"refreshed": (int, float), "stale_after": (int, float), "state": (dict, type(None)), "final": bool}
 
 
-def copies_wanted(world_size: int, env: Mapping[str, str] | None = None) -> bool:
-    """``NEMO_SAFE_NODE_COPY``: ``auto`` (unset: from :data:`AUTO_FROM_RANKS` ranks), ``1``/``on``, ``0``/``off``.
+def judge_node_copy(raw: str) -> tuple[str, str]:
+    """The setting's text as ``auto``, ``on`` or ``off``, and what is wrong with it ("" when nothing): any other
+    value is ``auto`` (the default): it only changes who reads the state, so it must not stop a job."""
+    value = raw.strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return "on", ""
+    if value in ("0", "off", "false", "no"):
+        return "off", ""
+    if value in ("", "auto"):
+        return "auto", ""
+    return "auto", f"not auto, 1 (on) or 0 (off); using auto (node copies from {AUTO_FROM_RANKS} ranks)"
 
-    Any other value is ``auto`` with one warning: it only changes who reads the state, so it must not
-    stop a job (nor only those of its ranks whose environment has it)."""
-    raw = (os.environ if env is None else env).get(NODE_COPY_ENV, "").strip().lower()
-    if raw in ("1", "on", "true", "yes"):
-        return world_size >= 2
-    if raw in ("0", "off", "false", "no"):
+
+def copies_wanted(world_size: int, env: Mapping[str, str] | None = None) -> bool:
+    """``NEMO_SAFE_NODE_COPY``: ``auto`` (unset: from :data:`AUTO_FROM_RANKS` ranks), ``1``/``on``, ``0``/``off``;
+    any other value is ``auto`` with one warning (:func:`judge_node_copy`)."""
+    raw = (os.environ if env is None else env).get(NODE_COPY_ENV, "")
+    mode, problem = judge_node_copy(raw)
+    if problem:
+        warn_once(log, f"env:{raw}", "nemo_safe: %s=%r is %s", NODE_COPY_ENV, raw, problem)
+    if mode == "off":
         return False
-    if raw not in ("", "auto"):
-        warn_once(log, f"env:{raw}", "nemo_safe: %s=%r is not auto, 1 (on) or 0 (off); using auto (node copies "
-                   "from %d ranks)", NODE_COPY_ENV, raw, AUTO_FROM_RANKS)  # fmt: skip
-    return world_size >= AUTO_FROM_RANKS
+    return world_size >= (2 if mode == "on" else AUTO_FROM_RANKS)
 
 
 def _count(env: Mapping[str, str], name: str) -> int | None:

@@ -178,21 +178,23 @@ _DISABLE_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, 
 _warned_disable_value: list[str] = []
 
 
-def disabled_by_env() -> bool:
-    """``NEMO_SAFE_DISABLE``: 1/true/yes/on disable, 0/false/no/off/empty do not. Any other
-    value disables too (upstream's behaviour is the safe reading of an unclear wish), with one warning."""
-    raw = os.environ.get(DISABLE_ENV, "")
+def judge_disable(raw: str) -> tuple[bool, str]:
+    """The setting's text as disabled or not, and what is wrong with it ("" when nothing): 1/true/yes/on
+    disable, 0/false/no/off/empty do not. Any other value disables too (upstream's behaviour is the safe
+    reading of an unclear wish)."""
     value = _DISABLE_VALUES.get(raw.strip().lower())
     if value is None:
-        if raw not in _warned_disable_value:
-            _warned_disable_value.append(raw)
-            log.warning(
-                "nemo_safe: %s=%r is neither 1/true/yes/on nor 0/false/no/off; taking it as set: no library "
-                "is patched",
-                DISABLE_ENV,
-                raw,
-            )
-        return True
+        return True, "neither 1/true/yes/on nor 0/false/no/off; taking it as set: no library is patched"
+    return value, ""
+
+
+def disabled_by_env() -> bool:
+    """``NEMO_SAFE_DISABLE`` (:func:`judge_disable`), with one warning for a value it does not know."""
+    raw = os.environ.get(DISABLE_ENV, "")
+    value, problem = judge_disable(raw)
+    if problem and raw not in _warned_disable_value:
+        _warned_disable_value.append(raw)
+        log.warning("nemo_safe: %s=%r is %s", DISABLE_ENV, raw, problem)
     return value
 
 

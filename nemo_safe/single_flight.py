@@ -89,6 +89,7 @@ from nemo_safe.term_signal import released_on_sigterm
 from nemo_safe.thread_progress import PROGRESS_LIMIT, ThreadProgress
 from nemo_safe.waiting import (
     POLL_MAX_ENV,
+    POLL_MAX_SETTING_CEIL,
     POLL_MIN,
     Backoff,
     Progress,
@@ -176,7 +177,7 @@ def _poll_cap() -> float:
     """The barrier's poll cap for the job's size (every rank may wait on one shared root)."""
     size = _job_size()
     if size is None:
-        return env_seconds(POLL_MAX_ENV, POLL_CAP_UNKNOWN_JOB, minimum=POLL_MIN)
+        return env_seconds(POLL_MAX_ENV, POLL_CAP_UNKNOWN_JOB, minimum=POLL_MIN, maximum=POLL_MAX_SETTING_CEIL)
     return poll_cap(size, CALLS_PER_POLL)
 
 

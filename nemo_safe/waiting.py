@@ -25,6 +25,8 @@ POLL_MAX_ENV = "NEMO_SAFE_POLL_MAX"
 #: Poll cap of a waiting process: 50 ms for small jobs, growing with the number of processes that may
 #: poll one folder so that together they make at most ~2,000 metadata calls/s on its server, at most 1 s.
 POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
+#: The most ``NEMO_SAFE_POLL_MAX`` may ask for: a waiter then learns of a release up to this late.
+POLL_MAX_SETTING_CEIL = 10.0
 #: :class:`Backoff` pauses 0.75-1.0 x its cap at the cap: the mean interval is this fraction of it.
 MEAN_PAUSE_AT_CAP = 0.875
 PROGRESS_EVERY = 5.0
@@ -47,7 +49,25 @@ def positive_seconds(what: str, value: object) -> float:
     return seconds
 
 
-def env_seconds(name: str, default: float, minimum: float = 0.0) -> float:
+def judge_seconds(raw: str, default: float, minimum: float = 0.0, maximum: float = math.inf) -> tuple[float, str]:
+    """A setting's text as seconds, and what is wrong with it ("" when nothing): not a finite, positive number
+    gives ``default``; below ``minimum`` or above ``maximum``, the bound. Unset or empty is ``default``."""
+    if raw.strip() == "":
+        return default, ""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        return default, f"not a finite, positive number of seconds; using the default ({default:g} s)"
+    if value < minimum:
+        return minimum, f"below its minimum; using {minimum:g} s"
+    if value > maximum:
+        return maximum, f"above its maximum; using {maximum:g} s"
+    return value, ""
+
+
+def env_seconds(name: str, default: float, minimum: float = 0.0, maximum: float = math.inf) -> float:
     """The environment variable ``name`` as a finite, positive number of seconds; ``default`` when unset or empty.
 
     Any other value (not a number, NaN, infinity, zero, negative) gives one warning naming the variable
@@ -56,27 +76,11 @@ def env_seconds(name: str, default: float, minimum: float = 0.0) -> float:
     dataset); a NaN cap or timeout is never used (it would busy-poll or never expire). A value below
     ``minimum`` (where smaller ones break the mechanism, e.g. a stale limit shorter than two beats)
     warns once and ``minimum`` is used."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        warn_once(
-            log,
-            f"env:{name}={raw}",
-            "nemo_safe: %s=%r is not a finite, positive number of seconds; using the default (%g s). Set a "
-            "number such as 600, or unset it.",
-            name,
-            raw,
-            default,
-        )
-        return default
-    if value < minimum:
-        warn_once(log, f"env:{name}={raw}", "nemo_safe: %s=%r is below its minimum; using %g s", name, raw, minimum)
-        return minimum
+    raw = os.environ.get(name, "")
+    value, problem = judge_seconds(raw, default, minimum, maximum)
+    if problem:
+        warn_once(log, f"env:{name}={raw}", "nemo_safe: %s=%r is %s. Set a number such as %g, or unset it.", name,
+                  raw, problem, default)  # fmt: skip
     return value
 
 
@@ -90,7 +94,7 @@ def poll_cap(processes: int, calls_per_poll: int = 1) -> float:
     calls on the shared server: ``NEMO_SAFE_POLL_MAX``, else scaled (see above) on the mean pause."""
     calls = processes * calls_per_poll / (POLLS_PER_SECOND_BUDGET * MEAN_PAUSE_AT_CAP)
     scaled = min(POLL_MAX_CEIL, max(POLL_MAX_FLOOR, calls))
-    return env_seconds(POLL_MAX_ENV, scaled, minimum=POLL_MIN)
+    return env_seconds(POLL_MAX_ENV, scaled, minimum=POLL_MIN, maximum=POLL_MAX_SETTING_CEIL)
 
 
 def timeout_or_default(what: str, timeout: object) -> float:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from nemo_safe import __version__, cluster_identity, patching, platform_support
+from nemo_safe import __version__, cluster_identity, patching, platform_support, settings
 from nemo_safe.errors import NemoSafeError
 from nemo_safe_tools import selftest
 from nemo_safe_tools.mounts import filesystem_type
@@ -134,6 +134,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         except Exception as exc:  # an absent library, or one that fails to import here
             import_errors[patch.module] = f"{type(exc).__name__}: {exc}"
     labels = [*WATCHED_DISTRIBUTIONS, *(patch.name for patch in patching.registered()), "cwd filesystem"]
+    labels += [verdict.name for verdict in settings.verdicts()]
     width = max(len(label) for label in labels)  # one column for every section
 
     def row(label: str, text: str) -> None:
@@ -160,6 +161,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             continue
         in_place, text = patching.status(patch)
         row(patch.name, f"{'ACTIVE' if in_place else 'inactive'}: {text}")
+    bad_settings = 0
+    found = settings.verdicts()
+    if found:
+        print("settings:")
+    for verdict in found:
+        bad_settings += bool(verdict.problem)
+        said = f"INVALID: {verdict.problem}" if verdict.problem else f"uses {verdict.used}"
+        row(verdict.name, f"{verdict.raw!r}: {said}")
     print("environment:")
     try:
         ident = cluster_identity.detect()
@@ -173,6 +182,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     row("cwd filesystem", filesystem_type(os.getcwd()))
     for warning in ident.warnings:
         row("WARNING", warning)
+    if bad_settings:
+        print(f"nemo-safe doctor: {bad_settings} setting(s) nemo_safe cannot use as given (see 'settings:' above)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

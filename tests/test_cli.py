@@ -64,6 +64,27 @@ def test_doctor_rows_share_one_column() -> None:
     assert "torchvision-datasets-single-flight" in out.stdout
 
 
+def test_doctor_judges_every_setting() -> None:
+    """Four values nemo_safe cannot use and a misspelt name: doctor names each with what nemo_safe does instead
+    and exits 1 (before 2026-12-05 it said nothing and exited 0); good values are shown with what is used."""
+    bad = {"NEMO_SAFE_BARRIER_TIMEOUT": "abc", "NEMO_SAFE_POLL_MAX": "100", "NEMO_SAFE_NODE_COPY": "maybe",
+           "NEMO_SAFE_DISABLE": "maybe", "NEMO_SAFE_TIMEOUT": "60"}  # fmt: skip
+    out = _run("doctor", **bad)
+    assert out.returncode == 1 and "5 setting(s) nemo_safe cannot use" in out.stderr, out.stdout + out.stderr
+    for name, says in [
+        ("NEMO_SAFE_BARRIER_TIMEOUT", "'abc': INVALID: not a finite, positive number of seconds; using the default"),
+        ("NEMO_SAFE_POLL_MAX", "'100': INVALID: above its maximum; using 10 s"),
+        ("NEMO_SAFE_NODE_COPY", "'maybe': INVALID: not auto, 1 (on) or 0 (off); using auto"),
+        ("NEMO_SAFE_DISABLE", "'maybe': INVALID: neither 1/true/yes/on nor 0/false/no/off"),
+        ("NEMO_SAFE_TIMEOUT", "'60': INVALID: not a nemo_safe setting (a typo?"),
+    ]:
+        assert re.search(rf"^  {name} +{re.escape(says)}", out.stdout, flags=re.M), (name, out.stdout)
+    good = _run("doctor", NEMO_SAFE_BARRIER_TIMEOUT="600", NEMO_SAFE_NODE_COPY="off")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert re.search(r"^  NEMO_SAFE_BARRIER_TIMEOUT +'600': uses 600 s$", good.stdout, flags=re.M), good.stdout
+    assert re.search(r"^  NEMO_SAFE_NODE_COPY +'off': uses off$", good.stdout, flags=re.M), good.stdout
+
+
 def test_doctor_bad_launcher_value_is_a_clear_error() -> None:
     out = _run("doctor", **{**slurm_env(0, 4, "77"), "SLURM_PROCID": "abc"})
     assert out.returncode == 1

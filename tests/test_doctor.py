@@ -318,7 +318,7 @@ def check_report(
             assert line == f"nemo_safe {installed_version('nemo_safe')}", where
             assert facts["nemo_safe_version"] == installed_version("nemo_safe"), where
             continue
-        if line in ("libraries (installed distributions):", "patches:", "environment:"):
+        if line in ("libraries (installed distributions):", "patches:", "settings:", "environment:"):
             section = line.split()[0].rstrip(":")
             continue
         assert section is not None and line.startswith("  "), where
@@ -345,6 +345,9 @@ def check_report(
                 expected = "not enabled"
             assert line.split(None, 1)[1].strip() == expected, where
             seen["patches"].add("patching")
+        elif section == "settings":  # a NEMO_SAFE_* variable of this run: its value as given, then the verdict
+            name, value = re.split(r" {2,}", line.strip(), maxsplit=1)
+            assert value.startswith(f"{(env or {})[name]!r}: "), where
         elif section == "patches":
             match = re.fullmatch(r"  (\S+) +(ACTIVE|inactive|not applicable): (.*)", line)
             assert match, where

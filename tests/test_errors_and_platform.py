@@ -30,7 +30,14 @@ from test_torchvision_downloads import mnist
 
 import nemo_safe
 from nemo_safe.single_flight import DEFAULT_STALE_AFTER, STALE_AFTER_ENV
-from nemo_safe.waiting import DEFAULT_TIMEOUT, POLL_MAX_ENV, POLL_MAX_FLOOR, POLL_MIN, TIMEOUT_ENV
+from nemo_safe.waiting import (
+    DEFAULT_TIMEOUT,
+    POLL_MAX_ENV,
+    POLL_MAX_FLOOR,
+    POLL_MAX_SETTING_CEIL,
+    POLL_MIN,
+    TIMEOUT_ENV,
+)
 
 from faulty_mirror import Faults, FaultyMirror
 from procs import clean_env, torchrun_env
@@ -108,6 +115,14 @@ def test_seconds_below_a_minimum_take_the_minimum() -> None:
     assert out.stderr.count("NEMO_SAFE_STALE_AFTER='1e-9' is below its minimum") == 1, out.stderr
     res, out = run_script(CONSTRUCT, "barrier", timeout=60, NEMO_SAFE_POLL_MAX="1e-9")
     assert res["status"] == "accepted" and res["poll_max"] == POLL_MIN, res
+
+
+def test_poll_cap_above_its_maximum_takes_the_maximum() -> None:
+    """NEMO_SAFE_POLL_MAX=100 made a waiter learn of a release up to 100 s late; it warns once and the maximum
+    (10 s) is used."""
+    res, out = run_script(CONSTRUCT, "barrier", timeout=60, NEMO_SAFE_POLL_MAX="100")
+    assert res["status"] == "accepted" and res["poll_max"] == POLL_MAX_SETTING_CEIL, res
+    assert out.stderr.count("NEMO_SAFE_POLL_MAX='100' is above its maximum") == 1, out.stderr
 
 
 def test_good_seconds_accepted() -> None:
