@@ -55,6 +55,11 @@ def _seconds(allow_zero: bool) -> Callable[[str], float]:
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
     ident = cluster_identity.detect()
+    if not args.member:
+        for warning in ident.warnings:  # -J bash: every task would run its own local selftest
+            print(f"nemo-safe selftest: WARNING: {warning}", file=sys.stderr)
+        if args.dir or ident.is_multi_process:
+            selftest.check_directory(args.dir or os.getcwd())
     if args.member or ident.is_multi_process:
         report = selftest.run_member(args.dir or os.getcwd(), args.timeout, args.work_seconds)
         if report is not None:
@@ -208,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
         "use your shared filesystem",
     )
     st.add_argument("--procs", type=int, default=4, help="local processes when not under a launcher (default 4)")
-    st.add_argument("--timeout", type=_seconds(allow_zero=False), default=None, help="barrier timeout in seconds")
+    st.add_argument(
+        "--timeout",
+        type=_seconds(allow_zero=False),
+        default=None,
+        help=f"barrier timeout in seconds (default {selftest.DEFAULT_TIMEOUT:g})",
+    )
     st.add_argument(
         "--work-seconds", type=_seconds(allow_zero=True), default=0.5, help="how long rank 0 works inside the barrier"
     )
@@ -261,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     except NemoSafeError as exc:
         print(f"nemo-safe: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("nemo-safe: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

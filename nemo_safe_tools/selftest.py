@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -23,6 +25,27 @@ from nemo_safe_tools import local_ranks
 from nemo_safe_tools.mounts import filesystem_type
 
 REPORT_PREFIX = "NEMO_SAFE_SELFTEST_REPORT "
+#: A selftest's barrier timeout unless --timeout says otherwise: every member starts within seconds of the
+#: others, so a minute is plenty and a failure shows in a minute, not after the library's 30.
+DEFAULT_TIMEOUT = 60.0
+#: Kernel filesystems where no file a barrier needs can be created.
+NOT_FOR_FILES = ("proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs", "bpf")
+
+
+def check_directory(directory: str) -> str:
+    """The directory's filesystem type once a file can be created and removed in it; else NemoSafeError saying
+    why, in seconds (before any member waits for a rank 0 that cannot write)."""
+    kind = filesystem_type(directory)
+    if kind in NOT_FOR_FILES:
+        raise NemoSafeError(f"selftest: {directory} is on {kind}, a kernel filesystem; use your shared filesystem")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".nemo_safe_selftest_probe.", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise NemoSafeError(f"selftest: cannot create a file in {directory} ({exc.strerror or exc}); the barrier "
+                            "needs to, on every rank: use a writable directory") from None  # fmt: skip
+    return kind
 
 
 def run_member(directory: str, timeout: float | None, work_seconds: float) -> dict[str, Any] | None:
@@ -34,6 +57,7 @@ def run_member(directory: str, timeout: float | None, work_seconds: float) -> di
     """
     ident = cluster_identity.detect()
     world, rank = ident.world_size, ident.rank
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     tag = f".nemo_safe_selftest.{ident.attempt_key}"
     marker = os.path.join(directory, f"{tag}.marker")
     entered = time.time()
@@ -105,6 +129,26 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _outputs_stopping_at_a_failure(children: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
+    """Every child's (stdout, stderr). When one fails, the others are stopped a second later instead of waiting
+    out the timeout for it (rank 0's own error is then the one reported first)."""
+    outputs: dict[int, tuple[str, str]] = {}
+    readers = [threading.Thread(target=lambda r=r, c=c: outputs.__setitem__(r, c.communicate()), daemon=True)
+               for r, c in enumerate(children)]  # fmt: skip
+    for reader in readers:
+        reader.start()
+    failed_at = None
+    while any(reader.is_alive() for reader in readers):
+        if failed_at is None and any(c.poll() not in (None, 0) for c in children):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 1.0:
+            for child in children:
+                if child.poll() is None:
+                    child.terminate()
+        time.sleep(0.05)
+    return [outputs[r] for r in range(len(children))]
+
+
 def run_local(procs: int, directory: str | None, timeout: float | None, work_seconds: float) -> dict[str, Any]:
     """Start ``procs`` local members with torchrun-style variables and return rank 0's report."""
     with tempfile.TemporaryDirectory(prefix="nemo_safe_selftest_") as tmp:
@@ -123,7 +167,13 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
         if timeout is not None:
             args += ["--timeout", str(timeout)]
         children = local_ranks.start(args, procs)
-        outputs = [c.communicate() for c in children]
+        try:
+            outputs = _outputs_stopping_at_a_failure(children)
+        finally:
+            for child in children:  # Ctrl-C, or anything else raised here: no member is left waiting
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
         failed = [(r, err) for r, (c, (_, err)) in enumerate(zip(children, outputs, strict=True)) if c.returncode]
         if failed:
             detail = "\n".join(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from nemo_safe_tools.cli import build_parser
@@ -119,6 +121,48 @@ def test_bad_numbers_are_refused_before_anything_starts() -> None:
         out = _run(*args)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_selftest_refuses_a_directory_it_cannot_use_in_seconds(tmp_path: Path, read_only) -> None:
+    """/proc and a read-only folder: the parent says why at once (before 2026-12-05 the members waited the
+    30-minute barrier timeout in silence)."""
+    for directory, says in [
+        ("/proc", "is on proc, a kernel filesystem"),
+        (read_only(tmp_path / "ro"), "cannot create"),
+    ]:
+        started = time.monotonic()
+        out = _run("selftest", "--procs", "2", "--dir", str(directory))
+        assert out.returncode == 1 and says in out.stderr, out.stderr
+        assert time.monotonic() - started < 60, "a hang guard, not a measurement"
+
+
+def test_selftest_stops_every_member_when_one_fails(tmp_path: Path) -> None:
+    """A file where the barrier's folder goes: rank 0 fails at once; the others are stopped a second later
+    instead of waiting out a 600 s timeout, and rank 0's error is reported."""
+    (tmp_path / ".nemo_safe").write_text("not a folder")
+    started = time.monotonic()
+    out = _run("selftest", "--procs", "3", "--dir", str(tmp_path), "--timeout", "600")
+    assert out.returncode == 1 and "rank 0:" in out.stderr, out.stderr
+    assert time.monotonic() - started < 60, "a hang guard, not a measurement"
+
+
+def test_selftest_ctrl_c_ends_quietly(tmp_path: Path) -> None:
+    proc = subprocess.Popen([NEMO_SAFE, "selftest", "--procs", "2", "--work-seconds", "60", "--dir", str(tmp_path)],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".nemo_safe*")):  # the members are in the barrier
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    members = subprocess.run(["pgrep", "-f", f"--dir {tmp_path}"], capture_output=True, text=True)
+    assert members.stdout.strip() == "", "no member may be left running"
+
+
+def test_selftest_under_an_interactive_slurm_shell_warns() -> None:
+    out = _run("selftest", "--procs", "2", **{**slurm_env(0, 4, "77"), "SLURM_JOB_NAME": "bash"})
+    assert out.returncode == 0 and "WARNING" in out.stderr and "-J" in out.stderr, out.stderr
 
 
 def test_bad_arguments() -> None:
