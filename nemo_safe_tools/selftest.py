@@ -149,6 +149,12 @@ def _outputs_stopping_at_a_failure(children: list[subprocess.Popen[str]]) -> lis
     return [outputs[r] for r in range(len(children))]
 
 
+def _last_words(child: subprocess.Popen[str], err: str) -> str:
+    if err.strip():
+        return err.strip().splitlines()[-1]
+    return "stopped: another rank failed first" if child.returncode < 0 else "no output"
+
+
 def run_local(procs: int, directory: str | None, timeout: float | None, work_seconds: float) -> dict[str, Any]:
     """Start ``procs`` local members with torchrun-style variables and return rank 0's report."""
     with tempfile.TemporaryDirectory(prefix="nemo_safe_selftest_") as tmp:
@@ -174,11 +180,9 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
                 if child.poll() is None:
                     child.kill()
                     child.wait()
-        failed = [(r, err) for r, (c, (_, err)) in enumerate(zip(children, outputs, strict=True)) if c.returncode]
+        failed = [(r, c, err) for r, (c, (_, err)) in enumerate(zip(children, outputs, strict=True)) if c.returncode]
         if failed:
-            detail = "\n".join(
-                f"rank {r}: {err.strip().splitlines()[-1] if err.strip() else 'no output'}" for r, err in failed
-            )
+            detail = "\n".join(f"rank {r}: {_last_words(c, err)}" for r, c, err in failed)
             raise NemoSafeError(f"selftest: {len(failed)} of {procs} local ranks failed:\n{detail}")
         for line in outputs[0][0].splitlines():
             if line.startswith(REPORT_PREFIX):

@@ -136,13 +136,15 @@ def test_selftest_refuses_a_directory_it_cannot_use_in_seconds(tmp_path: Path, r
         assert time.monotonic() - started < 60, "a hang guard, not a measurement"
 
 
-def test_selftest_stops_every_member_when_one_fails(tmp_path: Path) -> None:
-    """A file where the barrier's folder goes: rank 0 fails at once; the others are stopped a second later
-    instead of waiting out a 600 s timeout, and rank 0's error is reported."""
-    (tmp_path / ".nemo_safe").write_text("not a folder")
+def test_selftest_stops_every_member_when_one_fails(tmp_path: Path, read_only) -> None:
+    """The barrier's folder is read-only: rank 0 cannot create its barrier there and fails at once, while the
+    others only read and would wait for it; they are stopped a second later instead of waiting out the 600 s
+    timeout, and rank 0's error is reported."""
+    read_only(tmp_path / ".nemo_safe")
     started = time.monotonic()
     out = _run("selftest", "--procs", "3", "--dir", str(tmp_path), "--timeout", "600")
-    assert out.returncode == 1 and "rank 0:" in out.stderr, out.stderr
+    assert out.returncode == 1 and "Read-only file system" in out.stderr, out.stderr
+    assert "rank 1: stopped: another rank failed first" in out.stderr, out.stderr
     assert time.monotonic() - started < 60, "a hang guard, not a measurement"
 
 
