@@ -221,8 +221,9 @@ def rank_zero_first(
     """Run the body on rank 0 first; every other rank enters the body only after
     rank 0's body finished, and gets :class:`~nemo_safe.errors.RankZeroFailed` if it raised.
 
-    ``world_size`` defaults to the launcher's; with one process nothing is written, but the arguments
-    are checked as with many (a script tried alone must not fail first on the cluster).
+    ``world_size`` defaults to the launcher's; with one process nothing is written, but unknown keywords,
+    ``timeout``, ``poll_max`` and ``world_size`` are checked as with many (a script tried alone must not
+    fail first on the cluster over them; the directory and ``rank`` are checked where a barrier is made).
     """
     _check_arguments(world_size, name, kwargs)
     if world_size is None:
