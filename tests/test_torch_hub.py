@@ -118,7 +118,9 @@ def test_spawn_eight_ranks_one_fetch(tmp_path: Path, weights, disable: bool) -> 
     if disable:
         assert stats.complete > 1, f"upstream: every rank that misses the file fetches it ({stats})"
         return
-    assert (stats.requests, stats.complete) == (1, 1), stats
+    # Two fetches were seen once in CI (2026-12-05, under load): the ranks' stderr says whether a leader was taken
+    # over (no progress for the limit) or a rank did not see the flight.
+    assert (stats.requests, stats.complete) == (1, 1), (stats, out.stderr[-4000:])
     _assert_clean(tmp_path / "home", name, data)
 
 
