@@ -15,7 +15,6 @@ PREFIX = "NEMO_SAFE_"
 
 class Setting(NamedTuple):
     name: str
-    meaning: str
     #: The value's text -> (what nemo_safe uses, described; what is wrong with the text, "" when nothing).
     judge: Callable[[str], tuple[str, str]]
 
@@ -33,11 +32,6 @@ def _disable(raw: str) -> tuple[str, str]:
     return ("no library is patched" if disabled else "libraries are patched"), problem
 
 
-def _node_copy(raw: str) -> tuple[str, str]:
-    mode, problem = node_copy.judge_node_copy(raw)
-    return mode, problem
-
-
 def _poll_max(raw: str) -> tuple[str, str]:
     value, problem = waiting.judge_seconds(raw, -1.0, waiting.POLL_MIN, waiting.POLL_MAX_SETTING_CEIL)
     if value < 0:  # the default depends on the job's size
@@ -46,20 +40,13 @@ def _poll_max(raw: str) -> tuple[str, str]:
     return f"{value:g} s", problem
 
 
+#: What each means: the README's table of variables.
 SETTINGS = (
-    Setting(patching.DISABLE_ENV, "1/true/yes/on: import nemo_safe patches nothing", _disable),
-    Setting(waiting.TIMEOUT_ENV, "seconds a rank waits without a sign of life", _seconds(waiting.DEFAULT_TIMEOUT)),
-    Setting(
-        waiting.POLL_MAX_ENV,
-        "longest pause between two looks of a waiting rank",
-        _poll_max,
-    ),
-    Setting(
-        single_flight.STALE_AFTER_ENV,
-        "seconds a silent download leader keeps the others waiting",
-        _seconds(single_flight.DEFAULT_STALE_AFTER, single_flight.MIN_STALE_AFTER),
-    ),
-    Setting(node_copy.NODE_COPY_ENV, "auto, 1 (on) or 0 (off): waiting ranks read through node copies", _node_copy),
+    Setting(patching.DISABLE_ENV, _disable),
+    Setting(waiting.TIMEOUT_ENV, _seconds(waiting.DEFAULT_TIMEOUT)),
+    Setting(waiting.POLL_MAX_ENV, _poll_max),
+    Setting(single_flight.STALE_AFTER_ENV, _seconds(single_flight.DEFAULT_STALE_AFTER, single_flight.MIN_STALE_AFTER)),
+    Setting(node_copy.NODE_COPY_ENV, node_copy.judge_node_copy),
 )
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 #: Variables of this repository's tooling (ci/), not read by the library.

@@ -138,8 +138,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             importlib.import_module(patch.module)
         except Exception as exc:  # an absent library, or one that fails to import here
             import_errors[patch.module] = f"{type(exc).__name__}: {exc}"
+    found = settings.verdicts()
     labels = [*WATCHED_DISTRIBUTIONS, *(patch.name for patch in patching.registered()), "cwd filesystem"]
-    labels += [verdict.name for verdict in settings.verdicts()]
+    labels += [verdict.name for verdict in found]
     width = max(len(label) for label in labels)  # one column for every section
 
     def row(label: str, text: str) -> None:
@@ -167,7 +168,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         in_place, text = patching.status(patch)
         row(patch.name, f"{'ACTIVE' if in_place else 'inactive'}: {text}")
     bad_settings = 0
-    found = settings.verdicts()
     if found:
         print("settings:")
     for verdict in found:

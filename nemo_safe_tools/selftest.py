@@ -32,9 +32,9 @@ DEFAULT_TIMEOUT = 60.0
 NOT_FOR_FILES = ("proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs", "bpf")
 
 
-def check_directory(directory: str) -> str:
-    """The directory's filesystem type once a file can be created and removed in it; else NemoSafeError saying
-    why, in seconds (before any member waits for a rank 0 that cannot write)."""
+def check_directory(directory: str) -> None:
+    """NemoSafeError saying why, in seconds, unless a file can be created and removed in ``directory`` (before
+    any member waits for a rank 0 that cannot write)."""
     kind = filesystem_type(directory)
     if kind in NOT_FOR_FILES:
         raise NemoSafeError(f"selftest: {directory} is on {kind}, a kernel filesystem; use your shared filesystem")
@@ -45,7 +45,6 @@ def check_directory(directory: str) -> str:
     except OSError as exc:
         raise NemoSafeError(f"selftest: cannot create a file in {directory} ({exc.strerror or exc}); the barrier "
                             "needs to, on every rank: use a writable directory") from None  # fmt: skip
-    return kind
 
 
 def run_member(directory: str, timeout: float | None, work_seconds: float) -> dict[str, Any] | None:
