@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from nemo_safe import patches, patching, platform_support
+from nemo_safe import log_output, patches, patching, platform_support
 from nemo_safe.errors import (
     BarrierTimeout,
     ConfigurationError,
@@ -118,6 +118,7 @@ def active() -> list[str]:
     return patching.active()
 
 
+log_output.install()  # before the first line: the platform warning, NEMO_SAFE_DISABLE
 for _patch in patches.ALL:
     patching.register(_patch)
 if not patching.disabled_by_env() and not platform_support.supported():

@@ -48,6 +48,7 @@ rank 0 is only late and is waited for up to 120 s more (never past the timeout).
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import socket
 import threading
@@ -62,12 +63,14 @@ from nemo_safe.barrier_state import Outcome
 from nemo_safe.barrier_waiter import Waiter
 from nemo_safe.errors import ConfigurationError
 from nemo_safe.records import new_nonce
+from nemo_safe.wait_lines import say
 from nemo_safe.waiting import poll_cap, positive_seconds, timeout_or_default
 
 #: The poll constant rank 0 uses is here too, where the benchmarks look for it.
 __all__ = ["CALLS_PER_POLL", "RANK0_POLL_SPEEDUP", "Barrier", "Outcome", "rank_zero_first"]
 
 
+log = logging.getLogger("nemo_safe.barrier")
 T = TypeVar("T")
 
 #: Metadata calls of one waiter's poll of a directory's ``state`` (open the folder, open the file;
@@ -196,6 +199,7 @@ class Barrier:
         if self.rank != 0:
             yield self.wait()
             return
+        say(log, "nemo_safe: rank 0 goes first at %s; %d other ranks wait for it", self.where(), self.world_size - 1)
         self.gather()
         try:
             yield None

@@ -15,7 +15,8 @@ from nemo_safe.barrier_state import is_this_process, process_gone, published_bef
 from nemo_safe.errors import BarrierTimeout, ConfigurationError
 from nemo_safe.records import new_nonce
 from nemo_safe.thread_progress import ThreadProgress
-from nemo_safe.waiting import POLL_MIN, Backoff, Progress
+from nemo_safe.wait_lines import WaitLines
+from nemo_safe.waiting import POLL_MIN, Backoff
 
 if TYPE_CHECKING:
     from nemo_safe.barrier import Barrier
@@ -214,13 +215,17 @@ class RankZero:
             raise
 
     def _gather(self) -> None:
-        b, progress = self.b, Progress()
+        b = self.b
+        lines = WaitLines(
+            log, f"rank 0 waits at {b.where()} for the other {b.world_size - 1} ranks to arrive", "rank 0"
+        )
         backoff = Backoff(max(POLL_MIN, b.poll_max / RANK0_POLL_SPEEDUP))
         deadline = time.monotonic() + b.timeout
         while True:
             arrived = self.scan()
             if len(arrived) == b.world_size - 1:
                 self.accepted = arrived
+                lines.released("every rank arrived")
                 return
             missing = ranges([r for r in range(1, b.world_size) if r not in arrived])
             if time.monotonic() >= deadline:
@@ -232,9 +237,8 @@ class RankZero:
                     "Those processes died or never started, or the world size is wrong (compare devices x "
                     "nodes with the launcher's task count)."
                 )
-            if progress.due():
-                log.info("nemo_safe: rank 0 waiting at %s: %d of %d ranks arrived, missing %s (%.0f s of %.0f s)",
-                         b.where(), len(arrived) + 1, b.world_size, missing, progress.elapsed, b.timeout)  # fmt: skip
+            here = f"{len(arrived) + 1} of {b.world_size} here, missing ranks {missing}"
+            lines.tick(lambda here=here: f"{here}; waits {deadline - time.monotonic():.0f} s more")
             backoff.sleep(deadline)
 
     def release(self, error: BaseException | None, payload: dict[str, Any] | None = None) -> None:

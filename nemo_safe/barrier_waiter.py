@@ -21,6 +21,7 @@ from nemo_safe.barrier_state import (
     valid_state,
 )
 from nemo_safe.errors import BarrierTimeout, ConfigurationError, NemoSafeError, RankZeroAbsent, RankZeroStalled
+from nemo_safe.wait_lines import WaitLines
 from nemo_safe.waiting import Backoff, Progress
 
 if TYPE_CHECKING:
@@ -53,6 +54,12 @@ class Waiter:
         self.collecting_seen: set[str] = set()
         self.last: dict[str, Any] | None = None
         self.alive: tuple[Any, Any] | None = None  # rank 0's (session, beat) last seen
+        self.beat_seen_at: float | None = None  # when it last changed (monotonic)
+        self.lines = WaitLines(
+            log,
+            f"rank {barrier.rank} waits for rank 0 at {barrier.where()} (rank 0 goes first)",
+            f"rank {barrier.rank}",
+        )
         self.foreign_state: str | None = None  # what a malformed state looked like, for the error
         #: The session of the first state read: it may be an earlier attempt's; a session opened after it
         #: was opened by a rank 0 alive while this waiter waited, so it is this attempt's.
@@ -75,6 +82,7 @@ class Waiter:
                     self.first_session = str(state.get("session", "")) if state is not None else ""
                 outcome = self._take(state) if state is not None else None
                 if outcome is not None:
+                    self.lines.released("rank 0 released it")
                     return outcome
                 self._check_rank_zero_present()
                 if time.monotonic() >= self.deadline:
@@ -82,9 +90,7 @@ class Waiter:
                     if self.grace is not None:  # a timeout shorter than the grace: rank 0 never showed up either
                         raise RankZeroAbsent(self._timeout_message())
                     raise BarrierTimeout(self._timeout_message())
-                if self.progress.due():
-                    log.info("nemo_safe: rank %d waiting for rank 0 at %s (%.0f s of %.0f s)",
-                             b.rank, b.where(), self.progress.elapsed, b.timeout)  # fmt: skip
+                self.lines.tick(self._status)
                 self.backoff.set_cap(b.channel.poll_cap(b.poll_max))
                 self.backoff.sleep(min(self.deadline, self._gives_up_at()))
         finally:
@@ -100,7 +106,7 @@ class Waiter:
         if (state.get("session"), state.get("beat")) != self.alive:
             if self.alive is not None:  # rank 0 is alive and working: the timeout counts silence
                 self.deadline = max(self.deadline, time.monotonic() + b.timeout)
-                self.saw_beat = True
+                self.saw_beat, self.beat_seen_at = True, time.monotonic()
             self.alive = (state.get("session"), state.get("beat"))
         self.last = state
         self._check_rank_zero_advances(state)
@@ -124,6 +130,15 @@ class Waiter:
                 b.channel.mark_taken(str(state.get("session")), b.rank, b.nonce)
             outcome.raise_if_failed(b.where(), b.rank)
         return outcome
+
+    def _status(self) -> str:
+        """Rank 0's liveness and how long this rank goes on without a sign of it, for :class:`WaitLines`."""
+        now = time.monotonic()
+        left = min(self.deadline, self._gives_up_at()) - now
+        if self.beat_seen_at is not None:
+            return f"rank 0 is alive (beat {now - self.beat_seen_at:.0f} s ago); waits {left:.0f} s more without a beat"
+        seen = "rank 0's record is here, no beat seen yet" if self.alive is not None else "rank 0 not seen yet"
+        return f"{seen}; waits {left:.0f} s more without it"
 
     def _check_rank_zero_present(self) -> None:
         """After the grace without rank 0: raise :class:`RankZeroAbsent` unless every other rank is here,

@@ -26,6 +26,7 @@ from nemo_safe.atomic_files import (
 from nemo_safe.download_lock import _DownloadLock
 from nemo_safe.errors import ConfigurationError
 from nemo_safe.records import HIDDEN_DIRNAME, has_field_types, new_nonce
+from nemo_safe.wait_lines import say
 from nemo_safe.warn_once import warn_once
 
 log = logging.getLogger("nemo_safe.single_flight")
@@ -199,8 +200,8 @@ class FlightLocks:
                 if exc.errno not in NO_LINK_ERRNOS:
                     raise
                 _NO_LINKS[self.lock_dir] = True
-                log.info("nemo_safe: %s: no hard links in %s (%s); electing by exclusive create", self.what,
-                         self.lock_dir, exc.strerror)  # fmt: skip
+                say(log, "nemo_safe: %s: no hard links in %s (%s); electing by exclusive create", self.what,
+                    self.lock_dir, exc.strerror)  # fmt: skip
                 return None
             return True
         finally:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from nemo_safe.wait_lines import say
+
 if TYPE_CHECKING:  # importlib.abc costs ~15 ms (importlib.resources); the import system needs no base class
     import importlib.abc
     import importlib.machinery
@@ -171,6 +173,7 @@ _applied: dict[str, _Applied] = {}  # patch name -> what it replaced, in which m
 _failed: dict[str, str] = {}  # patch name -> the error its apply raised
 _retired: list[Replacements] = []  # replacements on objects of an earlier execution of a module (a reload)
 _finder: _PostImportFinder | None = None
+_off: frozenset[str] = frozenset()  # the patches NEMO_SAFE_DISABLE turned off when patching was enabled
 
 
 _DISABLE_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, "0": False, "false": False,
@@ -178,24 +181,43 @@ _DISABLE_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, 
 _warned_disable_value: list[str] = []
 
 
-def judge_disable(raw: str) -> tuple[bool, str]:
-    """The setting's text as disabled or not, and what is wrong with it ("" when nothing): 1/true/yes/on
-    disable, 0/false/no/off/empty do not. Any other value disables too (upstream's behaviour is the safe
-    reading of an unclear wish)."""
-    value = _DISABLE_VALUES.get(raw.strip().lower())
-    if value is None:
-        return True, "neither 1/true/yes/on nor 0/false/no/off; taking it as set: no library is patched"
-    return value, ""
+def judge_disable(raw: str) -> tuple[bool | frozenset[str], str]:
+    """What the setting turns off, and what is wrong with its text ("" when nothing): True (every patch) for
+    1/true/yes/on, False (none) for 0/false/no/off/empty, else the names of the patches a comma-separated list
+    names, each by its name (``torch-hub-single-flight``) or a family (``nemo``, ``torchvision``, ``torch-hub``:
+    every patch whose name starts so; ``_`` reads as ``-``). A list naming no patch turns off every patch
+    (upstream's behaviour is the safe reading of an unclear wish)."""
+    text = raw.strip().lower()
+    value = _DISABLE_VALUES.get(text)
+    if value is not None:
+        return value, ""
+    names = [patch.name for patch in registered()]
+    words = [word.strip().replace("_", "-") for word in text.split(",") if word.strip()]
+    chosen = {n for word in words for n in names if n == word or n.startswith(word + "-")}
+    unknown = [word for word in words if not any(n == word or n.startswith(word + "-") for n in names)]
+    if unknown or not chosen:
+        families = sorted({n.split("-")[0] if not n.startswith("torch-hub") else "torch-hub" for n in names})
+        return True, (
+            f"neither 1/true/yes/on nor 0/false/no/off nor patches ({', '.join(unknown) or text!r} names none; "
+            f"families {', '.join(families)}, or a name `nemo-safe doctor` lists); taking it as set: no library is "
+            "patched"
+        )
+    return frozenset(chosen), ""
 
 
-def disabled_by_env() -> bool:
-    """``NEMO_SAFE_DISABLE`` (:func:`judge_disable`), with one warning for a value it does not know."""
+def turned_off() -> bool | frozenset[str]:
+    """``NEMO_SAFE_DISABLE`` (:func:`judge_disable`), with one warning for a value it cannot use."""
     raw = os.environ.get(DISABLE_ENV, "")
     value, problem = judge_disable(raw)
     if problem and raw not in _warned_disable_value:
         _warned_disable_value.append(raw)
         log.warning("nemo_safe: %s=%r is %s", DISABLE_ENV, raw, problem)
     return value
+
+
+def disabled_by_env() -> bool:
+    """Whether ``NEMO_SAFE_DISABLE`` turns off every patch."""
+    return turned_off() is True
 
 
 def register(patch: Patch) -> None:
@@ -238,6 +260,8 @@ def status(patch: Patch) -> tuple[bool, str]:
             )
         if _finder is None:
             cause = f"{DISABLE_ENV} is set" if disabled_by_env() else "patching is not enabled in this process"
+        elif patch.name in _off:
+            cause = f"turned off by {DISABLE_ENV}={os.environ.get(DISABLE_ENV, '')}"
         elif patch.name in _failed:
             cause = f"applying it failed ({_failed[patch.name]})"
         else:
@@ -250,6 +274,8 @@ def status(patch: Patch) -> tuple[bool, str]:
 
 
 def _apply(patch: Patch, module: ModuleType) -> None:
+    if patch.name in _off:
+        return
     applied = _applied.get(patch.name)
     if applied is not None:
         if applied.in_place():
@@ -359,10 +385,15 @@ class _PostImportFinder:
 def enable() -> bool:
     """Apply all patches now and on future imports; re-apply those no longer in place.
     Idempotent. False when disabled by env."""
-    global _finder
-    if disabled_by_env():
-        log.info("nemo_safe: %s is set; no library is patched", DISABLE_ENV)
+    global _finder, _off
+    off = turned_off()
+    if off is True:
+        say(log, "nemo_safe: %s is set; no library is patched", DISABLE_ENV)
         return False
+    if off and off != _off:
+        say(log, "nemo_safe: %s=%s: %s left as upstream has them", DISABLE_ENV, os.environ.get(DISABLE_ENV, ""),
+            ", ".join(sorted(off)))  # fmt: skip
+    _off = off or frozenset()
     _load_deferred({name for name in {p.module for p in registered()} if name in sys.modules})
     with _lock:
         if _finder is None:

@@ -28,8 +28,10 @@ def _seconds(default: float, minimum: float = 0.0, maximum: float = float("inf")
 
 
 def _disable(raw: str) -> tuple[str, str]:
-    disabled, problem = patching.judge_disable(raw)
-    return ("no library is patched" if disabled else "libraries are patched"), problem
+    off, problem = patching.judge_disable(raw)
+    if off is True or off is False:
+        return ("no library is patched" if off else "libraries are patched"), problem
+    return f"libraries are patched but by {', '.join(sorted(off))}", problem
 
 
 def _poll_max(raw: str) -> tuple[str, str]:

@@ -77,6 +77,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,6 +88,7 @@ from nemo_safe.errors import ConfigurationError, LeaderDeposed, LeaderFailed, Ne
 from nemo_safe.flight_locks import LOCK_DIRNAME, FlightLocks, lock_folder_usable
 from nemo_safe.term_signal import released_on_sigterm
 from nemo_safe.thread_progress import PROGRESS_LIMIT, ThreadProgress
+from nemo_safe.wait_lines import WaitLines
 from nemo_safe.waiting import (
     POLL_MAX_ENV,
     POLL_MAX_SETTING_CEIL,
@@ -230,6 +232,9 @@ class SingleFlight(_DownloadLock):
         self._why = ""  # why this waiter is about to take over (logged by the one that does)
         self._backoff = Backoff(self.poll_max, start=0.01)
         self._waited = Progress()
+        self._lines = WaitLines(log, self.what, speaks=False)  # replaced by each wait
+        self._beat_seen: tuple[Any, Any] | None = None
+        self._beat_seen_at = time.monotonic()
 
     # -- the lock files: FlightLocks' ----------------------------------------------------
 
@@ -324,11 +329,23 @@ class SingleFlight(_DownloadLock):
         return False
 
     def _pause(self, delay: float, info: dict[str, Any], deadline: float) -> float:
-        if info and self._waited.due():
-            log.info("nemo_safe: %s: waiting %.0f s for host %s pid %s", self.what, self._waited.elapsed,
-                     info.get("host"), info.get("pid"))  # fmt: skip
+        if info:
+            beat = (info.get("nonce"), info.get("beat"))
+            if beat != self._beat_seen:
+                self._beat_seen, self._beat_seen_at = beat, time.monotonic()
+            self._lines.tick(lambda: self._leader_status(info))
         self._backoff.sleep(deadline)
         return delay
+
+    def _leader_status(self, info: dict[str, Any]) -> str:
+        """Who does the job and whether it is alive and advancing, for :class:`WaitLines`."""
+        silent, idle = time.monotonic() - self._beat_seen_at, info.get("idle", 0) * HEARTBEAT
+        work = f"its work advanced {idle:.0f} s ago" if "idle" in info else "its work not measured"
+        return (
+            f"host {info.get('host')} pid {info.get('pid')} does it ({info.get('state')}; beat {silent:.0f} s ago, "
+            f"{work}); taken over after {self.stale_after:.0f} s without a beat or {self.progress_limit:.0f} s "
+            "without progress"
+        )
 
     def _error(self, info: dict[str, Any]) -> Exception:
         if info.get("state") == "failed":
@@ -367,7 +384,11 @@ class SingleFlight(_DownloadLock):
 
     def _wait(self, done: Callable[[], bool]) -> int | None:
         self._backoff, self._waited = Backoff(self.poll_max, start=0.01), Progress()
-        return super()._wait(done)
+        self._lines = WaitLines(log, f"{self.what}: this process waits for the one doing it", self.what)
+        self._beat_seen, self._beat_seen_at = None, time.monotonic()
+        generation = super()._wait(done)
+        self._lines.released("it is done" if generation is None else "this process does it now")
+        return generation
 
     # -- everyone ------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import NamedTuple
 
+from nemo_safe.wait_lines import say
+
 log = logging.getLogger(__name__)
 
 VERIFIED, STRUCTURE, FIXED, DECLINED = "verified", "structure", "fixed", "declined"
@@ -248,10 +250,10 @@ class SourceGate:
                 return
             self._warned = True
         if verdict.status == STRUCTURE:
-            log.info("nemo_safe: %s %s: patched", self.target, verdict)
+            say(log, "nemo_safe: %s %s: patched", self.target, verdict)
             return
         if verdict.status == FIXED:
-            log.info("nemo_safe: %s %s: left as it is", self.target, verdict)
+            log.debug("nemo_safe: %s %s: left as it is", self.target, verdict)
             return
         log.warning(
             "nemo_safe: %s is left untouched, %s (verified on %s); %s. Run `nemo-safe doctor` and report the %s "

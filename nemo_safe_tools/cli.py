@@ -196,7 +196,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="nemo-safe", description="nemo_safe's command: selftest, demo and doctor (also python -m nemo_safe_tools)."
+        prog="nemo-safe", description="nemo_safe's command: selftest, demo and doctor (also python -m nemo_safe)."
     )
     parser.add_argument("--version", action="version", version=f"nemo_safe {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress lines")

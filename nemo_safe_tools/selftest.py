@@ -149,9 +149,9 @@ def _outputs_stopping_at_a_failure(children: list[subprocess.Popen[str]]) -> lis
 
 
 def _last_words(child: subprocess.Popen[str], err: str) -> str:
-    if err.strip():
-        return err.strip().splitlines()[-1]
-    return "stopped: another rank failed first" if child.returncode < 0 else "no output"
+    if child.returncode < 0:  # what it printed is its waiting, not a failure
+        return "stopped: another rank failed first"
+    return err.strip().splitlines()[-1] if err.strip() else "no output"
 
 
 def run_local(procs: int, directory: str | None, timeout: float | None, work_seconds: float) -> dict[str, Any]:

@@ -28,11 +28,13 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--delay", type=float, default=0.0, help="seconds to sleep before exp_manager (start skew)")
     p.add_argument("--gate", help="a folder: after its imports each rank waits there for every rank's (start gate)")
+    p.add_argument("--no-logging-config", action="store_true", help="configure no logging (as most scripts)")
     args = p.parse_args()
     import logging
 
-    logging.basicConfig(format="%(asctime)s %(process)d %(name)s %(message)s")
-    logging.getLogger("nemo_safe").setLevel(logging.DEBUG)
+    if not args.no_logging_config:
+        logging.basicConfig(format="%(asctime)s %(process)d %(name)s %(message)s")
+        logging.getLogger("nemo_safe").setLevel(logging.DEBUG)
 
     from nemo.utils.exp_manager import exp_manager
 

@@ -478,6 +478,52 @@ def test_disable_variable_values(value: str, patched: bool, warned: bool) -> Non
     assert ("NEMO_SAFE_DISABLE='maybe' is neither" in out.stderr) is warned, out.stderr
 
 
+TURN_OFF_SOME = """
+import json, nemo_safe, torch.hub, torchvision.datasets.utils as utils
+print(json.dumps([nemo_safe.active(), hasattr(utils.download_url, "__nemo_safe__"),
+                  hasattr(torch.hub.download_url_to_file, "__wrapped__")]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "active", "said"),
+    [
+        ("torchvision", ["torch-hub-single-flight"], "torchvision-atomic-downloads, torchvision-datasets-single"),
+        ("torch_hub", [f"torchvision-{p}" for p in ("atomic-downloads", "mnist-single-flight",
+                                                    "download-url-bindings", "datasets-single-flight")],
+         "torch-hub-single-flight left as upstream has them"),
+        # the bindings only rebind the atomic downloads' functions: off with them
+        (" Torchvision-Atomic-Downloads , torch-hub", ["torchvision-mnist-single-flight",
+                                                       "torchvision-datasets-single-flight"],
+         "torch-hub-single-flight, torchvision-atomic-downloads left"),
+        ("torchvison", [], "NEMO_SAFE_DISABLE='torchvison' is neither 1/true/yes/on nor 0/false/no/off nor patches"),
+        ("torchvision,nemoo", [], "('nemoo' names none; families nemo, torch-hub, torchvision"),
+    ],
+    ids=["family", "underscore", "names", "typo", "one-unknown"],
+)  # fmt: skip
+def test_disable_one_patch_keeps_the_others(value: str, active: list[str], said: str) -> None:
+    """Issue 24: NEMO_SAFE_DISABLE names patches or their families; those stay as upstream has them (the library's
+    own function, not a wrapper), the others are applied; one line says which. A name that names no patch turns
+    every patch off (the safe reading), with one warning."""
+    out = subprocess.run([sys.executable, "-c", TURN_OFF_SOME], env=clean_env(NEMO_SAFE_DISABLE=value),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    applied, atomic, hub = json.loads(out.stdout)
+    assert applied == active, out.stderr
+    assert atomic == ("torchvision-atomic-downloads" in active) and hub == ("torch-hub-single-flight" in active)
+    assert said in out.stderr and out.stderr.count("NEMO_SAFE_DISABLE") == 1 + (not active), out.stderr
+
+
+def test_doctor_says_which_patch_is_turned_off() -> None:
+    doctor = str(Path(sys.executable).with_name("nemo-safe"))
+    out = subprocess.run([doctor, "doctor"], env=clean_env(NEMO_SAFE_DISABLE="torch-hub"), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert "turned off by NEMO_SAFE_DISABLE=torch-hub" in rows["torch-hub-single-flight"], out.stdout
+    assert "patched but by torch-hub-single-flight" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("error_class", [nemo_safe.RankZeroFailed, nemo_safe.LeaderFailed])
 def test_remote_failures_keep_the_remote_error_through_pickling(error_class: type) -> None:
     """A failure raised in a spawned child reaches the parent pickled (mp.spawn, multiprocessing pools):

@@ -82,6 +82,26 @@ def test_two_ranks_with_different_exp_dirs(tmp_path: Path, variant: str) -> None
 
 
 @pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_a_waiting_rank_says_so_where_no_logging_is_configured(tmp_path: Path, variant: str) -> None:
+    """Issue 24: rank 0 enters exp_manager 3 s late; the script configures no logging and NEMO_TESTING is unset, so
+    NeMo prints nothing on rank 1. Rank 1 must say in NeMo's format that it waits for rank 0, where and why, and
+    when it is released. Upstream's rank 1 sleeps 5 s in silence (nemo_safe's did too, before)."""
+    run = f"{sys.executable} {WORKER} --exp-dir {tmp_path / 'exp'} --no-logging-config"
+    results = _tasks(variant, f"24{len(variant)}1", lambda rank: run + (" --delay 3" if rank == 0 else ""), tmp_path)
+    assert all(results[r][-1]["status"] == "ok" for r in results), results
+    err = (tmp_path / "rank1.err").read_text()
+    said = [line for line in err.splitlines() if line.startswith("[NeMo ") and "global rank 0" in line]
+    if variant == "upstream":
+        assert not said, err[-2000:]
+        return
+    where = str(tmp_path / "exp" / "exp")  # exp_dir / name
+    assert len(said) == 2, err[-2000:]
+    assert said[0].startswith("[NeMo I ") and f"Rank 1 waits for global rank 0 to check {where} for resuming" in said[0]
+    assert said[1].startswith("[NeMo I ") and f"Rank 1: global rank 0 checked {where} (" in said[1]
+    assert "[nemo_safe " not in err, err[-2000:]  # no line twice, in another voice
+
+
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
 def test_rank_zero_alone_in_another_exp_dir(tmp_path: Path, variant: str) -> None:
     """Three ranks: rank 0's exp_dir is another folder (another working directory), ranks 1 and 2 share theirs,
     so each sees the other there and takes rank 0 for late. Upstream returns after its 5 s sleep; with

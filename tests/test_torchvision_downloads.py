@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,35 @@ def test_spawn_before_init_process_group_with_start_skew(tmp_path: Path, mnist, 
         _assert_all_loaded(read_results(tmp_path / "res"), range(8), reference)
         _assert_one_fetch_each(mirror)
     _assert_clean_root(tmp_path / "root")
+
+
+@pytest.mark.parametrize("variant", ["nemo_safe", "upstream"])
+def test_a_waiting_rank_says_so_where_no_logging_is_configured(tmp_path: Path, mnist, variant: str) -> None:
+    """Issue 24: two spawned ranks that configure no logging, rank 1 starting 0.5 s after rank 0, a 4 s download.
+    The leader must say once that it does it; the waiter that it waits, for which process, where, whether that one
+    is alive, and that it was released (before, it waited in silence while the leader's progress bars ran).
+    Upstream says nothing of the kind."""
+    with throttled(mnist, seconds=4.0) as mirror:
+        out = download_race.run_spawn(
+            2, tmp_path / "root", tmp_path / "res", mirror.url, disable=variant == "upstream", skew=0.5,
+            timeout=HANG_GUARD,
+        )  # fmt: skip
+    lines = [line[line.index("[nemo_safe ") :] for line in re.split(r"[\r\n]", out.stderr) if "[nemo_safe " in line]
+    if variant == "upstream":  # each process says that NEMO_SAFE_DISABLE is set, and nothing else
+        assert len(lines) == 2 and all(
+            line.endswith("NEMO_SAFE_DISABLE is set; no library is patched") for line in lines
+        )
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = read_results(tmp_path / "res")
+    leader = [line for line in lines if re.search(r"this process \(pid \d+\) does it; others wait$", line)]
+    waits = [line for line in lines if "this process waits for the one doing it; host " in line]
+    released = [line for line in lines if re.search(r": it is done after [\d.]+ s$", line)]
+    assert (len(leader), len(waits), len(released)) == (1, 1, 1), lines
+    assert all(f"MNIST download into {tmp_path / 'root' / 'MNIST'}" in line for line in lines), lines
+    pids = {res["pid"] for res in results.values()}
+    assert {int(re.search(r"\(pid (\d+)\)", leader[0])[1]), int(re.search(r" pid (\d+) does it", waits[0])[1])} <= pids
+    assert "running; beat " in waits[0] and "taken over after 15 s without a beat" in waits[0], waits
 
 
 def test_spawn_upstream_twin_corrupts(tmp_path: Path, mnist, reference) -> None:

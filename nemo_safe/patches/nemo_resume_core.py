@@ -24,6 +24,7 @@ Around that core, only what the pull request needs no help with upstream:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from nemo_safe import cluster_identity, term_signal
+from nemo_safe import cluster_identity, term_signal, wait_lines
 from nemo_safe.patches import nemo_resume_upstream, upstream_code
 from nemo_safe.thread_progress import PROGRESS_LIMIT, ThreadProgress
 from nemo_safe.warn_once import warn_once
@@ -111,20 +112,48 @@ class _RankZeroStates:
 
 
 class _NemoVoice:
-    """NeMo's ``logging`` for the series' code. NeMo prints nothing on a non-zero rank (it removes the stream
-    handlers there unless ``NEMO_TESTING`` is set), so a warning also goes to nemo_safe's logger where NeMo's
-    would not show: a rank that carries on without the ordering always says so."""
+    """NeMo's ``logging`` for the series' code, heard where NeMo would not print it. NeMo removes its stream
+    handlers on every rank but 0 (unless ``NEMO_TESTING`` is set), so a waiting rank's lines went nowhere (issue
+    24). Where NeMo prints nothing, a line is printed to standard error in NeMo's own format (``[NeMo I ...]``):
+    warnings on every rank, info lines where this rank speaks for its node (local ranks 0 and 1,
+    :mod:`nemo_safe.wait_lines`), so a job of thousands of ranks prints a few lines per node."""
 
     def __init__(self, nemo_logging: Any) -> None:
         self._nemo = nemo_logging
 
+    def info(self, message: str, *args: Any, **kwargs: Any) -> None:
+        self._nemo.info(message, *args, **kwargs)
+        if wait_lines.speaks_for_its_node():
+            _print_where_nemo_does_not(logging.INFO, message, args)
+
     def warning(self, message: str, *args: Any, **kwargs: Any) -> None:
         self._nemo.warning(message, *args, **kwargs)
-        if not any(type(h) is logging.StreamHandler for h in logging.getLogger("nemo_logger").handlers):
-            log.warning("nemo_safe: exp_manager: %s", message)
+        _print_where_nemo_does_not(logging.WARNING, message, args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._nemo, name)
+
+
+def _print_where_nemo_does_not(level: int, message: str, args: tuple[Any, ...]) -> None:
+    """``message`` in NeMo's format on standard error, unless NeMo's logger prints it itself or is set above it."""
+    nemo_logger = logging.getLogger("nemo_logger")
+    if not nemo_logger.isEnabledFor(level) or any(type(h) is logging.StreamHandler for h in nemo_logger.handlers):
+        return
+    caller = sys._getframe(2)  # the series' line that logged, as NeMo's own record names it
+    record = nemo_logger.makeRecord(nemo_logger.name, level, caller.f_code.co_filename, caller.f_lineno, message,
+                                    args, None, caller.f_code.co_name)  # fmt: skip
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_nemo_formatter())
+    handler.handle(record)
+
+
+def _nemo_formatter() -> logging.Formatter:
+    try:
+        from nemo.utils.formatters.base import BaseNeMoFormatter
+
+        return BaseNeMoFormatter()  # type: ignore[no-any-return]
+    except Exception:  # a NeMo without it: the same shape
+        return logging.Formatter("[NeMo %(levelname).1s %(asctime)s %(module)s:%(lineno)d] %(message)s")
 
 
 def bind(module: ModuleType, check_resume: Callable[..., Any]) -> Order:

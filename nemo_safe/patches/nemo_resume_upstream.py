@@ -192,9 +192,10 @@ def _wait_for_rank_zero(
                         "(later, done before this rank started, or in an exp_dir not shared); going on without it"
                     )
                     return None
-            if now - noted >= 30:
-                noted, doing = now, ("is checking" if first_seen is not None else "has not come yet")
-                logging.info(f"Rank {rank} still waits for global rank 0, which {doing} ({now - started:.0f} s)")
+            if now - noted >= 30:  # rank 0's beats change its state; _RESUME_ORDER_SILENCE s without one end the wait
+                noted, doing = now, f"beat {now - changed:.0f} s ago" if first_seen is not None else "not seen yet"
+                limit = f"going on after {_RESUME_ORDER_SILENCE:.0f} s without a beat"
+                logging.info(f"Rank {rank} still waits for global rank 0 ({doing}; {now - started:.0f} s; {limit})")
             sleep(min(0.01 * 2 ** min(polls, 7), 1.0))
     finally:
         with contextlib.suppress(OSError):  # Windows, while another rank reads it
@@ -242,8 +243,7 @@ def _check_resume_in_order(
     if is_global_rank_zero():
         _check_resume_first(meeting_dir, lambda: run_check_resume(log_dir), version)
         return cfg.seconds_to_sleep, log_dir, version
-    started = time.monotonic()
-    timeout = getattr(trainer.strategy, "_timeout", None)  # DDPStrategy(timeout=...)
+    started, timeout = time.monotonic(), getattr(trainer.strategy, "_timeout", None)  # DDPStrategy(timeout=...)
     timeout = timeout if isinstance(timeout, timedelta) else _RESUME_ORDER_TIMEOUT
     state = _wait_for_rank_zero(meeting_dir, trainer.global_rank, cfg.seconds_to_sleep, timeout, world_size=world_size)
     if state is None:
