@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The release sweep: the release-dependent tests on every NeMo / torchvision / torch release nemo_safe claims,
-# each in a real install of its own (built once and cached by ci/setup_env.sh), then the README's support table
+# each in a real install of its own (built once and cached by ci/setup_env.sh), then the support table of docs/releases.md
 # regenerated from what ran (ci/support_table.py).
 #
 #   bash ci/release_sweep.sh                 # every profile below (about 40 min here once the environments exist)
 #   bash ci/release_sweep.sh nemo123 tv017   # some of them (what CI runs next to the main suite; no table)
 #
 # A profile is a ci/constraints-<profile>.txt ("main" is ci/constraints.txt). Results go to
-# .sweep/<profile>.json; the table is written into README.md between its support-table markers.
+# .sweep/<profile>.json; the table is written into docs/releases.md between its support-table markers.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -50,7 +50,7 @@ done
 # The table only from a whole sweep: a partial one (CI's) would drop the other releases' rows. A whole sweep also
 # verifies the upstream series on their older releases (CI verifies them on the newest).
 if [ $# -eq 0 ]; then
-    .venv/bin/python ci/support_table.py write README.md
+    .venv/bin/python ci/support_table.py write docs/releases.md
     echo "release_sweep: upstream series on their older releases ($(date +%T))"
     .venv/bin/python ci/verify_patches.py --which older || status=$?
 fi

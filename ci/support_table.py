@@ -1,11 +1,11 @@
-"""The release sweep's record of each environment, and the README's support table made from those records.
+"""The release sweep's record of each environment, and the support table (docs/releases.md) made from those records.
 
     python ci/support_table.py record PROFILE nemo torchvision --exit N   # in PROFILE's environment
-    python ci/support_table.py write README.md                             # the table, from .sweep/*.json
+    python ci/support_table.py write docs/releases.md                      # the table, from .sweep/*.json
 
 ``record`` imports the installed libraries with nemo_safe and keeps, per patch, what ``nemo-safe doctor`` says
 (verified on a release / recognised by structure / declined, and why), the installed releases, and the test
-counts of the profile's junit files. ``write`` replaces the lines between the README's two support-table markers.
+counts of the profile's junit files. ``write`` replaces the lines between the two support-table markers of that file.
 """
 
 from __future__ import annotations
