@@ -199,7 +199,8 @@ class Barrier:
         if self.rank != 0:
             yield self.wait()
             return
-        say(log, "nemo_safe: rank 0 goes first at %s; %d other ranks wait for it", self.where(), self.world_size - 1)
+        others = f"{self.world_size - 1} other ranks wait" if self.world_size > 2 else "rank 1 waits"
+        say(log, "nemo_safe: rank 0 goes first at %s; %s for it", self.where(), others)
         self.gather()
         try:
             yield None

@@ -216,9 +216,8 @@ class RankZero:
 
     def _gather(self) -> None:
         b = self.b
-        lines = WaitLines(
-            log, f"rank 0 waits at {b.where()} for the other {b.world_size - 1} ranks to arrive", "rank 0"
-        )
+        others = f"the other {b.world_size - 1} ranks" if b.world_size > 2 else "rank 1"
+        lines = WaitLines(log, f"rank 0 waits at {b.where()} for {others} to arrive", "rank 0")
         backoff = Backoff(max(POLL_MIN, b.poll_max / RANK0_POLL_SPEEDUP))
         deadline = time.monotonic() + b.timeout
         while True:

@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # importlib.abc costs ~15 ms (importlib.resources); the impor
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "NEMO_SAFE_DISABLE"
+#: What ``NEMO_SAFE_DISABLE`` may name besides a patch: every patch of one library (its name starts so).
+DISABLE_FAMILIES = ("nemo", "torchvision", "torch-hub")
 
 #: Kept for older imports: what undoes a patch is now its :class:`Replacements`.
 Undo = Callable[[], None]
@@ -174,6 +176,7 @@ _failed: dict[str, str] = {}  # patch name -> the error its apply raised
 _retired: list[Replacements] = []  # replacements on objects of an earlier execution of a module (a reload)
 _finder: _PostImportFinder | None = None
 _off: frozenset[str] = frozenset()  # the patches NEMO_SAFE_DISABLE turned off when patching was enabled
+_off_by = ""  # its value then
 
 
 _DISABLE_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, "0": False, "false": False,
@@ -185,24 +188,26 @@ def judge_disable(raw: str) -> tuple[bool | frozenset[str], str]:
     """What the setting turns off, and what is wrong with its text ("" when nothing): True (every patch) for
     1/true/yes/on, False (none) for 0/false/no/off/empty, else the names of the patches a comma-separated list
     names, each by its name (``torch-hub-single-flight``) or a family (``nemo``, ``torchvision``, ``torch-hub``:
-    every patch whose name starts so; ``_`` reads as ``-``). A list naming no patch turns off every patch
-    (upstream's behaviour is the safe reading of an unclear wish)."""
+    every patch whose name starts so; ``_`` reads as ``-``, case does not matter). A word that names neither (a
+    typo, ``1`` in a list) turns off every patch: upstream's behaviour is the safe reading of an unclear wish."""
     text = raw.strip().lower()
     value = _DISABLE_VALUES.get(text)
     if value is not None:
         return value, ""
     names = [patch.name for patch in registered()]
     words = [word.strip().replace("_", "-") for word in text.split(",") if word.strip()]
-    chosen = {n for word in words for n in names if n == word or n.startswith(word + "-")}
-    unknown = [word for word in words if not any(n == word or n.startswith(word + "-") for n in names)]
-    if unknown or not chosen:
-        families = sorted({n.split("-")[0] if not n.startswith("torch-hub") else "torch-hub" for n in names})
+
+    def named(word: str) -> set[str]:
+        return {n for n in names if n == word or (word in DISABLE_FAMILIES and n.startswith(word + "-"))}
+
+    unknown = [word for word in words if not named(word)]
+    if unknown or not words:
         return True, (
-            f"neither 1/true/yes/on nor 0/false/no/off nor patches ({', '.join(unknown) or text!r} names none; "
-            f"families {', '.join(families)}, or a name `nemo-safe doctor` lists); taking it as set: no library is "
-            "patched"
+            f"neither 1/true/yes/on nor 0/false/no/off nor patches ({', '.join(unknown) or repr(text)}: no patch or "
+            f"family of that name; families {', '.join(DISABLE_FAMILIES)}, or a name `nemo-safe doctor` lists); "
+            "taking it as set: no library is patched"
         )
-    return frozenset(chosen), ""
+    return frozenset(set().union(*map(named, words))), ""
 
 
 def turned_off() -> bool | frozenset[str]:
@@ -261,7 +266,7 @@ def status(patch: Patch) -> tuple[bool, str]:
         if _finder is None:
             cause = f"{DISABLE_ENV} is set" if disabled_by_env() else "patching is not enabled in this process"
         elif patch.name in _off:
-            cause = f"turned off by {DISABLE_ENV}={os.environ.get(DISABLE_ENV, '')}"
+            cause = f"turned off by {DISABLE_ENV}={_off_by}"
         elif patch.name in _failed:
             cause = f"applying it failed ({_failed[patch.name]})"
         else:
@@ -385,15 +390,18 @@ class _PostImportFinder:
 def enable() -> bool:
     """Apply all patches now and on future imports; re-apply those no longer in place.
     Idempotent. False when disabled by env."""
-    global _finder, _off
+    global _finder, _off, _off_by
     off = turned_off()
     if off is True:
         say(log, "nemo_safe: %s is set; no library is patched", DISABLE_ENV)
         return False
+    raw = os.environ.get(DISABLE_ENV, "")
     if off and off != _off:
-        say(log, "nemo_safe: %s=%s: %s left as upstream has them", DISABLE_ENV, os.environ.get(DISABLE_ENV, ""),
-            ", ".join(sorted(off)))  # fmt: skip
-    _off = off or frozenset()
+        say(log, "nemo_safe: %s=%s: %s left as upstream has them", DISABLE_ENV, raw, ", ".join(sorted(off)))
+    with _lock:
+        _off, _off_by = off or frozenset(), raw
+        for name in [name for name in reversed(list(_applied)) if name in _off]:  # turned off since it was applied
+            _applied.pop(name).replacements.undo()
     _load_deferred({name for name in {p.module for p in registered()} if name in sys.modules})
     with _lock:
         if _finder is None:

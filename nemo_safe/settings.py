@@ -31,7 +31,7 @@ def _disable(raw: str) -> tuple[str, str]:
     off, problem = patching.judge_disable(raw)
     if off is True or off is False:
         return ("no library is patched" if off else "libraries are patched"), problem
-    return f"libraries are patched but by {', '.join(sorted(off))}", problem
+    return f"every patch except {', '.join(sorted(off))}", problem
 
 
 def _poll_max(raw: str) -> tuple[str, str]:

@@ -81,6 +81,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from nemo_safe import log_output
 from nemo_safe.atomic_files import pid_alive
 from nemo_safe.cluster_identity import detect as detect_identity
 from nemo_safe.download_lock import _LOCK_BEAT, _LOCK_STALE, _DownloadLock
@@ -233,8 +234,9 @@ class SingleFlight(_DownloadLock):
         self._backoff = Backoff(self.poll_max, start=0.01)
         self._waited = Progress()
         self._lines = WaitLines(log, self.what, speaks=False)  # replaced by each wait
+        #: The leader's last (nonce, beat) this waiter read, and when it saw one change (None: not yet).
         self._beat_seen: tuple[Any, Any] | None = None
-        self._beat_seen_at = time.monotonic()
+        self._beat_changed_at: float | None = None
 
     # -- the lock files: FlightLocks' ----------------------------------------------------
 
@@ -332,19 +334,24 @@ class SingleFlight(_DownloadLock):
         if info:
             beat = (info.get("nonce"), info.get("beat"))
             if beat != self._beat_seen:
-                self._beat_seen, self._beat_seen_at = beat, time.monotonic()
+                if self._beat_seen is not None:
+                    self._beat_changed_at = time.monotonic()
+                self._beat_seen = beat
             self._lines.tick(lambda: self._leader_status(info))
         self._backoff.sleep(deadline)
         return delay
 
     def _leader_status(self, info: dict[str, Any]) -> str:
         """Who does the job and whether it is alive and advancing, for :class:`WaitLines`."""
-        silent, idle = time.monotonic() - self._beat_seen_at, info.get("idle", 0) * HEARTBEAT
-        work = f"its work advanced {idle:.0f} s ago" if "idle" in info else "its work not measured"
+        if self._beat_changed_at is None:
+            beat = f"no beat seen yet in {self._lines.elapsed:.0f} s"
+        else:
+            beat = f"beat {time.monotonic() - self._beat_changed_at:.0f} s ago"
+        if "idle" in info:  # the leader's own count, as of its last beat
+            beat += f", its work idle {info['idle'] * HEARTBEAT:.0f} s then"
         return (
-            f"host {info.get('host')} pid {info.get('pid')} does it ({info.get('state')}; beat {silent:.0f} s ago, "
-            f"{work}); taken over after {self.stale_after:.0f} s without a beat or {self.progress_limit:.0f} s "
-            "without progress"
+            f"host {info.get('host')} pid {info.get('pid')} does it ({info.get('state')}; {beat}); taken over after "
+            f"{self.stale_after:.0f} s without a beat or {self.progress_limit:.0f} s without progress"
         )
 
     def _error(self, info: dict[str, Any]) -> Exception:
@@ -385,7 +392,7 @@ class SingleFlight(_DownloadLock):
     def _wait(self, done: Callable[[], bool]) -> int | None:
         self._backoff, self._waited = Backoff(self.poll_max, start=0.01), Progress()
         self._lines = WaitLines(log, f"{self.what}: this process waits for the one doing it", self.what)
-        self._beat_seen, self._beat_seen_at = None, time.monotonic()
+        self._beat_seen, self._beat_changed_at = None, None
         generation = super()._wait(done)
         self._lines.released("it is done" if generation is None else "this process does it now")
         return generation
@@ -442,7 +449,8 @@ class SingleFlight(_DownloadLock):
             self.progress = self.idle = 0
             outer, _leading.flight = getattr(_leading, "flight", None), self
             held.add(key)
-            log.info("nemo_safe: %s: this process (pid %d) does it; others wait", self.what, os.getpid())
+            log_output.info(log, "nemo_safe: %s: this process (pid %d) does it; others that need it wait", self.what,
+                            os.getpid())  # fmt: skip
             try:
                 with released_on_sigterm(lambda: self._abandon(generation)):
                     yield True

@@ -18,6 +18,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+from nemo_safe import log_output
+
 __all__ = ["ANNOUNCE_AFTER", "REPEAT_EVERY", "WaitLines", "say", "speaks_for_its_node"]
 
 #: A wait says nothing before this many seconds.
@@ -45,9 +47,9 @@ def speaks_for_its_node(env: Mapping[str, str] | None = None) -> bool:
 
 
 def say(log: logging.Logger, message: str, *args: object) -> None:
-    """``log.info(message, *args)`` where this process speaks for its node (once-per-process news, at scale)."""
+    """:func:`nemo_safe.log_output.info` where this process speaks for its node (once-per-process news, at scale)."""
     if speaks_for_its_node():
-        log.info(message, *args)
+        log_output.info(log, message, *args)
 
 
 class WaitLines:
@@ -72,12 +74,13 @@ class WaitLines:
             return
         self._due = now + REPEAT_EVERY
         if self.announced:
-            self.log.info("nemo_safe: %s still waits after %.0f s; %s", self.short, now - self.started, status())
+            log_output.info(self.log, "nemo_safe: %s still waits after %.0f s; %s", self.short, now - self.started,
+                            status())  # fmt: skip
         else:
             self.announced = True
-            self.log.info("nemo_safe: %s; %s", self.waiting, status())
+            log_output.info(self.log, "nemo_safe: %s; %s", self.waiting, status())
 
     def released(self, how: str) -> None:
         """The wait ended as the caller hoped (``how``: "rank 0 released it"); said only if it was announced."""
         if self.announced:
-            self.log.info("nemo_safe: %s: %s after %.1f s", self.short, how, self.elapsed)
+            log_output.info(self.log, "nemo_safe: %s: %s after %.1f s", self.short, how, self.elapsed)

@@ -128,9 +128,9 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _outputs_stopping_at_a_failure(children: list[subprocess.Popen[str]]) -> list[tuple[str, str]]:
+def _outputs_stopping_at_a_failure(children: list[subprocess.Popen[str]], stopped: set[int]) -> list[tuple[str, str]]:
     """Every child's (stdout, stderr). When one fails, the others are stopped a second later instead of waiting
-    out the timeout for it (rank 0's own error is then the one reported first)."""
+    out the timeout for it (rank 0's own error is then the one reported first); ``stopped`` gets their ranks."""
     outputs: dict[int, tuple[str, str]] = {}
     readers = [threading.Thread(target=lambda r=r, c=c: outputs.__setitem__(r, c.communicate()), daemon=True)
                for r, c in enumerate(children)]  # fmt: skip
@@ -141,17 +141,19 @@ def _outputs_stopping_at_a_failure(children: list[subprocess.Popen[str]]) -> lis
         if failed_at is None and any(c.poll() not in (None, 0) for c in children):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > 1.0:
-            for child in children:
+            for rank, child in enumerate(children):
                 if child.poll() is None:
+                    stopped.add(rank)
                     child.terminate()
         time.sleep(0.05)
     return [outputs[r] for r in range(len(children))]
 
 
-def _last_words(child: subprocess.Popen[str], err: str) -> str:
-    if child.returncode < 0:  # what it printed is its waiting, not a failure
+def _last_words(child: subprocess.Popen[str], err: str, stopped: bool) -> str:
+    if stopped:  # what it printed is its waiting, not a failure
         return "stopped: another rank failed first"
-    return err.strip().splitlines()[-1] if err.strip() else "no output"
+    last = err.strip().splitlines()[-1] if err.strip() else "no output"
+    return f"killed by signal {-child.returncode} ({last})" if child.returncode < 0 else last
 
 
 def run_local(procs: int, directory: str | None, timeout: float | None, work_seconds: float) -> dict[str, Any]:
@@ -171,9 +173,9 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
         ]
         if timeout is not None:
             args += ["--timeout", str(timeout)]
-        children = local_ranks.start(args, procs)
+        children, stopped = local_ranks.start(args, procs), set()
         try:
-            outputs = _outputs_stopping_at_a_failure(children)
+            outputs = _outputs_stopping_at_a_failure(children, stopped)
         finally:
             for child in children:  # Ctrl-C, or anything else raised here: no member is left waiting
                 if child.poll() is None:
@@ -181,7 +183,7 @@ def run_local(procs: int, directory: str | None, timeout: float | None, work_sec
                     child.wait()
         failed = [(r, c, err) for r, (c, (_, err)) in enumerate(zip(children, outputs, strict=True)) if c.returncode]
         if failed:
-            detail = "\n".join(f"rank {r}: {_last_words(c, err)}" for r, c, err in failed)
+            detail = "\n".join(f"rank {r}: {_last_words(c, err, r in stopped)}" for r, c, err in failed)
             raise NemoSafeError(f"selftest: {len(failed)} of {procs} local ranks failed:\n{detail}")
         for line in outputs[0][0].splitlines():
             if line.startswith(REPORT_PREFIX):

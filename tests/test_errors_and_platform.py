@@ -497,9 +497,10 @@ print(json.dumps([nemo_safe.active(), hasattr(utils.download_url, "__nemo_safe__
                                                        "torchvision-datasets-single-flight"],
          "torch-hub-single-flight, torchvision-atomic-downloads left"),
         ("torchvison", [], "NEMO_SAFE_DISABLE='torchvison' is neither 1/true/yes/on nor 0/false/no/off nor patches"),
-        ("torchvision,nemoo", [], "('nemoo' names none; families nemo, torch-hub, torchvision"),
+        ("torchvision,nemoo", [], "(nemoo: no patch or family of that name; families nemo, torchvision, torch-hub"),
+        ("torch", [], "(torch: no patch or family of that name"),  # a family is a library, not any prefix
     ],
-    ids=["family", "underscore", "names", "typo", "one-unknown"],
+    ids=["family", "underscore", "names", "typo", "one-unknown", "prefix"],
 )  # fmt: skip
 def test_disable_one_patch_keeps_the_others(value: str, active: list[str], said: str) -> None:
     """Issue 24: NEMO_SAFE_DISABLE names patches or their families; those stay as upstream has them (the library's
@@ -515,13 +516,13 @@ def test_disable_one_patch_keeps_the_others(value: str, active: list[str], said:
 
 
 def test_doctor_says_which_patch_is_turned_off() -> None:
-    doctor = str(Path(sys.executable).with_name("nemo-safe"))
-    out = subprocess.run([doctor, "doctor"], env=clean_env(NEMO_SAFE_DISABLE="torch-hub"), capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    """Also ``python -m nemo_safe``, the command where its script is not on PATH."""
+    out = subprocess.run([sys.executable, "-m", "nemo_safe", "doctor"], env=clean_env(NEMO_SAFE_DISABLE="torch-hub"),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
     assert "turned off by NEMO_SAFE_DISABLE=torch-hub" in rows["torch-hub-single-flight"], out.stdout
-    assert "patched but by torch-hub-single-flight" in out.stdout, out.stdout
+    assert "every patch except torch-hub-single-flight" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("error_class", [nemo_safe.RankZeroFailed, nemo_safe.LeaderFailed])

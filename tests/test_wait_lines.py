@@ -31,15 +31,18 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 SAY = """
 import logging, nemo_safe
+from nemo_safe import log_output
 {setup}
 log = logging.getLogger("nemo_safe.barrier")
-log.info("nemo_safe: an info line")
+log_output.info(log, "nemo_safe: an info line")  # how nemo_safe says a wait
 log.warning("nemo_safe: a warning line")
+log.info("nemo_safe: a plain info line")  # shown only where the program asked for INFO
 log.debug("nemo_safe: a debug line")
 """
 
 
 def test_printed_where_nothing_is_configured() -> None:
+    """A wait (``log_output.info``) and a warning print in nemo_safe's format; a plain INFO record does not."""
     out = _python(SAY.format(setup=""))
     lines = out.stderr.splitlines()
     assert [FALLBACK_LINE.match(line).groups() for line in lines] == [  # type: ignore[union-attr]
@@ -48,32 +51,96 @@ def test_printed_where_nothing_is_configured() -> None:
     ], out.stderr
 
 
+FORMAT = "format='%(levelname)s %(name)s %(message)s'"
+HANDLER = "h = logging.StreamHandler(); h.setFormatter(logging.Formatter(" + FORMAT.split("=", 1)[1] + "))\n"
+
+
 @pytest.mark.parametrize(
-    "setup",
+    ("setup", "levels"),
     [
-        "logging.basicConfig(format='%(levelname)s %(name)s %(message)s')",
-        "logging.basicConfig(format='%(levelname)s %(name)s %(message)s', level=logging.WARNING)",
-        "h = logging.StreamHandler(); h.setFormatter(logging.Formatter('%(levelname)s %(name)s %(message)s'))\n"
-        "logging.getLogger('nemo_safe').addHandler(h)",
+        (f"logging.basicConfig({FORMAT})", ["WARNING"]),  # the root's default level, WARNING: the program's choice
+        (f"logging.basicConfig({FORMAT}, level=logging.INFO)", ["INFO", "WARNING", "INFO"]),
+        (f"logging.basicConfig({FORMAT})\nlogging.getLogger('nemo_safe').setLevel(logging.INFO)",
+         ["INFO", "WARNING", "INFO"]),
+        (f"{HANDLER}logging.getLogger().addHandler(h); h.setLevel(logging.WARNING)", ["WARNING"]),
+        (f"{HANDLER}logging.getLogger('nemo_safe').addHandler(h)", ["WARNING"]),
+        (f"{HANDLER}logging.getLogger('nemo_safe').addHandler(h); logging.getLogger('nemo_safe').setLevel(20)",
+         ["INFO", "WARNING", "INFO"]),
     ],
-    ids=["basicConfig", "basicConfig-warning", "handler-on-nemo_safe"],
-)
-def test_the_programs_configuration_prints_it_once(setup: str) -> None:
-    """Configured logging prints nemo_safe's lines in its own format, and the fallback adds no second copy. The
-    root's level does not hide nemo_safe's waits (its logger says INFO); a level set on ``nemo_safe`` does."""
+    ids=["basicConfig", "basicConfig-info", "nemo_safe-info", "root-handler-warning", "handler-on-nemo_safe",
+         "handler-and-level-on-nemo_safe"],
+)  # fmt: skip
+def test_where_the_program_configured_logging_its_levels_decide(setup: str, levels: list[str]) -> None:
+    """Configured logging prints nemo_safe's lines in its own format, at its own levels, and the fallback adds no
+    second copy of any line."""
     out = _python(SAY.format(setup=setup))
-    assert out.stderr.splitlines() == [
-        "INFO nemo_safe.barrier nemo_safe: an info line",
-        "WARNING nemo_safe.barrier nemo_safe: a warning line",
-    ], out.stderr
+    assert [line.split()[0] for line in out.stderr.splitlines()] == levels, out.stderr
+    assert all(line.split()[1] == "nemo_safe.barrier" for line in out.stderr.splitlines()), out.stderr
 
 
-def test_a_level_the_program_set_is_kept() -> None:
-    for before in (True, False):  # set before nemo_safe's import (kept) or after it (wins)
-        setup = "logging.getLogger('nemo_safe').setLevel(logging.WARNING)"
+@pytest.mark.parametrize(
+    ("setup", "said"),
+    [
+        ("logging.getLogger('nemo_safe').setLevel(logging.WARNING)", ["a warning line"]),
+        ("logging.getLogger().setLevel(logging.CRITICAL)", []),
+        ("logging.disable(logging.INFO)", ["a warning line"]),
+    ],
+)
+def test_a_program_that_silenced_nemo_safe_is_obeyed(setup: str, said: list[str]) -> None:
+    for before in (True, False):  # before nemo_safe's import or after it
         code = SAY.format(setup=setup) if not before else f"import logging\n{setup}\n" + SAY.format(setup="")
         out = _python(code)
-        assert [line.split("] ", 1)[1] for line in out.stderr.splitlines()] == ["a warning line"], out.stderr
+        assert [line.split("] ", 1)[1] for line in out.stderr.splitlines()] == said, out.stderr
+
+
+def test_a_closed_or_foreign_stderr_never_fails_a_call() -> None:
+    """A line nobody can see is dropped: a closed standard error (a detached program), bytes, one without flush."""
+    code = """
+import io, os, sys, tempfile, nemo_safe
+class NoFlush:
+    def write(self, text): sys.__stdout__.write("seen: " + text)
+for stderr in ("closed", io.BytesIO(), NoFlush()):
+    if stderr == "closed":
+        sys.stderr.close()
+    else:
+        sys.stderr = stderr
+    folder = tempfile.mkdtemp()
+    done = os.path.join(folder, "data.bin")
+    nemo_safe.SingleFlight(folder, "dataset").run(lambda: open(done, "w").write("x"), lambda: os.path.exists(done))
+    print("ok", flush=True)
+sys.stderr = sys.stdout  # Python's own flush at exit needs one
+"""
+    out = _python(code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("ok") == 3 and "Traceback" not in out.stdout, out.stdout
+    assert "seen: [nemo_safe I " in out.stdout and "does it" in out.stdout, out.stdout
+
+
+def test_no_deadlock_with_a_program_reconfiguring_logging() -> None:
+    """dictConfig holds logging's lock and takes every handler's; a nemo_safe line in another thread holds the
+    fallback's and must not ask for logging's (the review's reproduction: the program's slow flush widens it)."""
+    code = """
+import logging, logging.config, os, threading, time, nemo_safe
+class SlowFlush(logging.Handler):
+    def emit(self, record): pass
+    def flush(self): time.sleep(1.0)
+logging.getLogger("app").addHandler(SlowFlush())
+log = logging.getLogger("nemo_safe.barrier")  # as a module's: the thread takes no lock before the handler's
+log.isEnabledFor(logging.WARNING)  # its level cached, as after any earlier line
+def reconfigure():
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False, "handlers": {"h": {
+        "class": "logging.StreamHandler", "stream": "ext://sys.stdout"}}, "root": {"handlers": ["h"]}})
+def warn():
+    time.sleep(0.3)
+    log.warning("nemo_safe: a warning line")
+threads = [threading.Thread(target=reconfigure, daemon=True), threading.Thread(target=warn, daemon=True)]
+for t in threads: t.start()
+for t in threads: t.join(10)
+print("stuck" if any(t.is_alive() for t in threads) else "finished", flush=True)
+os._exit(0)
+"""
+    out = _python(code)
+    assert out.stdout.strip().splitlines()[-1] == "finished", out.stdout + out.stderr
 
 
 @pytest.mark.parametrize(

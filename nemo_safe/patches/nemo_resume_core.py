@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from nemo_safe import cluster_identity, term_signal, wait_lines
+from nemo_safe import cluster_identity, log_output, term_signal, wait_lines
 from nemo_safe.patches import nemo_resume_upstream, upstream_code
 from nemo_safe.thread_progress import PROGRESS_LIMIT, ThreadProgress
 from nemo_safe.warn_once import warn_once
@@ -114,9 +114,11 @@ class _RankZeroStates:
 class _NemoVoice:
     """NeMo's ``logging`` for the series' code, heard where NeMo would not print it. NeMo removes its stream
     handlers on every rank but 0 (unless ``NEMO_TESTING`` is set), so a waiting rank's lines went nowhere (issue
-    24). Where NeMo prints nothing, a line is printed to standard error in NeMo's own format (``[NeMo I ...]``):
-    warnings on every rank, info lines where this rank speaks for its node (local ranks 0 and 1,
-    :mod:`nemo_safe.wait_lines`), so a job of thousands of ranks prints a few lines per node."""
+    24). Where NeMo prints nothing: if the program configured logging, the line goes to nemo_safe's logger (the
+    program's handlers and levels decide); else it is printed to standard error in NeMo's own format
+    (``[NeMo I ...]``): warnings on every rank, info lines where this rank speaks for its node (local ranks 0
+    and 1, :mod:`nemo_safe.wait_lines`) and nemo_safe is not silenced, so thousands of ranks print a few lines
+    per node."""
 
     def __init__(self, nemo_logging: Any) -> None:
         self._nemo = nemo_logging
@@ -124,27 +126,44 @@ class _NemoVoice:
     def info(self, message: str, *args: Any, **kwargs: Any) -> None:
         self._nemo.info(message, *args, **kwargs)
         if wait_lines.speaks_for_its_node():
-            _print_where_nemo_does_not(logging.INFO, message, args)
+            _say_where_nemo_does_not(logging.INFO, message, args)
 
     def warning(self, message: str, *args: Any, **kwargs: Any) -> None:
         self._nemo.warning(message, *args, **kwargs)
-        _print_where_nemo_does_not(logging.WARNING, message, args)
+        _say_where_nemo_does_not(logging.WARNING, message, args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._nemo, name)
 
 
-def _print_where_nemo_does_not(level: int, message: str, args: tuple[Any, ...]) -> None:
-    """``message`` in NeMo's format on standard error, unless NeMo's logger prints it itself or is set above it."""
+def _nemo_prints(level: int) -> bool:
+    """Whether NeMo's logger prints (or, by its verbosity, drops) a record of ``level`` itself: a stream handler
+    (a subclass too, e.g. tqdm's redirect; not its per-rank log file) or a level above ``level``."""
     nemo_logger = logging.getLogger("nemo_logger")
-    if not nemo_logger.isEnabledFor(level) or any(type(h) is logging.StreamHandler for h in nemo_logger.handlers):
+    streams = [h for h in nemo_logger.handlers if isinstance(h, logging.StreamHandler)]
+    return not nemo_logger.isEnabledFor(level) or any(not isinstance(h, logging.FileHandler) for h in streams)
+
+
+def _say_where_nemo_does_not(level: int, message: str, args: tuple[Any, ...]) -> None:
+    if _nemo_prints(level):
+        return
+    text = message % args if args else message
+    if log_output.configured_elsewhere(log):
+        log.log(level, "nemo_safe: exp_manager: %s", text)
+        return
+    if level < logging.WARNING and log_output.silenced(log):
         return
     caller = sys._getframe(2)  # the series' line that logged, as NeMo's own record names it
-    record = nemo_logger.makeRecord(nemo_logger.name, level, caller.f_code.co_filename, caller.f_lineno, message,
-                                    args, None, caller.f_code.co_name)  # fmt: skip
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_nemo_formatter())
-    handler.handle(record)
+    record = logging.getLogger("nemo_logger").makeRecord(
+        "nemo_logger", level, caller.f_code.co_filename, caller.f_lineno, text, (), None, caller.f_code.co_name
+    )
+    try:
+        sys.stderr.write(_nemo_formatter().format(record) + "\n")
+        flush = getattr(sys.stderr, "flush", None)
+        if flush is not None:
+            flush()
+    except Exception:  # closed, or no text stream: a line nobody can see must not fail the job
+        pass
 
 
 def _nemo_formatter() -> logging.Formatter:
