@@ -134,7 +134,7 @@ def test_a_waiting_rank_says_so_where_no_logging_is_configured(tmp_path: Path, m
         return
     assert out.returncode == 0, out.stderr[-3000:]
     results = read_results(tmp_path / "res")
-    leader = [line for line in lines if re.search(r"this process \(pid \d+\) does it; others wait$", line)]
+    leader = [line for line in lines if re.search(r"this process \(pid \d+\) does it; others that need it wait$", line)]
     waits = [line for line in lines if "this process waits for the one doing it; host " in line]
     released = [line for line in lines if re.search(r": it is done after [\d.]+ s$", line)]
     assert (len(leader), len(waits), len(released)) == (1, 1, 1), lines
