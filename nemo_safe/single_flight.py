@@ -331,7 +331,7 @@ class SingleFlight(_DownloadLock):
         return False
 
     def _pause(self, delay: float, info: dict[str, Any], deadline: float) -> float:
-        if info:
+        if info.get("state") == "running":  # a leader at work (not an outcome read between two leaders)
             beat = (info.get("nonce"), info.get("beat"))
             if beat != self._beat_seen:
                 if self._beat_seen is not None:
