@@ -147,7 +147,10 @@ def _nemo_prints(level: int) -> bool:
 def _say_where_nemo_does_not(level: int, message: str, args: tuple[Any, ...]) -> None:
     if _nemo_prints(level):
         return
-    text = message % args if args else message
+    try:
+        text = message % args if args else message
+    except (TypeError, ValueError):  # NeMo's own call would have printed the error; the line stays as written
+        text = message
     if log_output.configured_elsewhere(log):
         log.log(level, "nemo_safe: exp_manager: %s", text)
         return
