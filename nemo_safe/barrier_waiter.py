@@ -22,7 +22,7 @@ from nemo_safe.barrier_state import (
 )
 from nemo_safe.errors import BarrierTimeout, ConfigurationError, NemoSafeError, RankZeroAbsent, RankZeroStalled
 from nemo_safe.wait_lines import WaitLines
-from nemo_safe.waiting import Backoff, Progress
+from nemo_safe.waiting import Backoff
 
 if TYPE_CHECKING:
     from nemo_safe.barrier import Barrier
@@ -47,7 +47,6 @@ class Waiter:
         self.stall_limit = stall_limit
         #: Rank 0's beat changed while this rank watched: it is alive now (not a state frozen by a kill).
         self.saw_beat = False
-        self.progress = Progress()
         self.backoff = Backoff(barrier.poll_max)
         self.deadline = time.monotonic() + barrier.timeout
         self.answered: dict[str, Arrival] = {}
@@ -145,14 +144,14 @@ class Waiter:
         and after :data:`VOUCHED_WAIT` more (or at the timeout) if they were. This rank is no evidence
         (with two ranks nothing tells a late rank 0 from one that does not share this place, so rank 1
         gives up), nor is a presence left by a process that has exited."""
-        if self.grace is None or self.progress.elapsed < self.grace:
+        if self.grace is None or self.lines.elapsed < self.grace:
             return
         b = self.b
         if self.vouched_until is not None:
             if time.monotonic() >= self._gives_up_at():
                 ended = "its timeout" if self.deadline <= self.vouched_until else f"{VOUCHED_WAIT:g} s past the grace"
                 raise RankZeroAbsent(
-                    f"{b.where()}: rank {b.rank} waited {self.progress.elapsed:.1f} s ({ended}) and rank 0 never "
+                    f"{b.where()}: rank {b.rank} waited {self.lines.elapsed:.1f} s ({ended}) and rank 0 never "
                     f"showed up, although every other rank was here after the {self.grace:g} s grace: rank 0 "
                     f"probably meets elsewhere (another working directory or meeting folder), or is later still."
                 )
@@ -168,7 +167,7 @@ class Waiter:
             return self.deadline
         if self.vouched_until is not None:
             return min(self.vouched_until, self.deadline)
-        return self.progress.start + self.grace
+        return self.lines.started + self.grace
 
     def _live(self, arrival: Arrival) -> bool:
         """A presence counts unless its process exited (same host) or it predates this process (by the clock)."""
@@ -278,13 +277,13 @@ class Waiter:
         b = self.b
         if b.world_size == 2:
             return (
-                f"{b.where()}: rank 1 waited {self.progress.elapsed:.1f} s and rank 0 never showed up; with two "
+                f"{b.where()}: rank 1 waited {self.lines.elapsed:.1f} s and rank 0 never showed up; with two "
                 "ranks nothing tells a late rank 0 from one that does not share this place (node-local disk, "
                 "another working directory, a torchrun store one rank could not reach)."
             )
         missing = [r for r in range(1, b.world_size) if r not in present and r != b.rank]
         return (
-            f"{b.where()}: rank {b.rank} waited {self.progress.elapsed:.1f} s and rank 0 never showed up, "
+            f"{b.where()}: rank {b.rank} waited {self.lines.elapsed:.1f} s and rank 0 never showed up, "
             f"while ranks {ranges(missing)} of 1-{b.world_size - 1} are not here either: this place is "
             "probably not shared with them (node-local disk, another working directory, a torchrun store "
             "one rank could not reach)."
@@ -292,7 +291,7 @@ class Waiter:
 
     def _timeout_message(self) -> str:
         b, last = self.b, self.last
-        head = f"{b.where()}: rank {b.rank} of {b.world_size} waited {self.progress.elapsed:.0f} s"
+        head = f"{b.where()}: rank {b.rank} of {b.world_size} waited {self.lines.elapsed:.0f} s"
         if last is None and self.foreign_state is not None:
             return (
                 f"{head}; the only state record there is not one nemo_safe writes ({self.foreign_state}): "

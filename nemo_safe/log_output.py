@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 
-__all__ = ["FORMAT", "WhereNothingIsConfigured", "configured_elsewhere", "info", "install", "silenced"]
+__all__ = ["FORMAT", "WhereNothingIsConfigured", "configured_elsewhere", "info", "install", "silenced", "write_line"]
 
 #: The fallback's line: which library, level, time, and which process of which host (a job's lines interleave).
 FORMAT = "[nemo_safe %(levelname).1s %(asctime)s %(host)s:%(process)d] %(message)s"
@@ -74,13 +74,19 @@ class WhereNothingIsConfigured(logging.Handler):
         logger = logging.Logger.manager.loggerDict.get(record.name)  # no lock: see configured_elsewhere
         if isinstance(logger, logging.Logger) and configured_elsewhere(logger):
             return
-        try:
-            sys.stderr.write(self.format(record) + "\n")
-            flush = getattr(sys.stderr, "flush", None)
-            if flush is not None:
-                flush()
-        except Exception:  # closed, or no text stream: a line nobody can see must not fail the job
-            pass
+        write_line(self.format(record))
+
+
+def write_line(text: str) -> None:
+    """``text`` on standard error (looked up now); dropped where it cannot be written (closed, or no text
+    stream, or without ``flush``): a line nobody can see must not fail the job."""
+    try:
+        sys.stderr.write(text + "\n")
+        flush = getattr(sys.stderr, "flush", None)
+        if flush is not None:
+            flush()
+    except Exception:
+        pass
 
 
 _FALLBACK = WhereNothingIsConfigured()

@@ -95,7 +95,6 @@ from nemo_safe.waiting import (
     POLL_MAX_SETTING_CEIL,
     POLL_MIN,
     Backoff,
-    Progress,
     env_seconds,
     poll_cap,
     positive_seconds,
@@ -232,7 +231,6 @@ class SingleFlight(_DownloadLock):
         self._won = -1  # the generation this process created last
         self._why = ""  # why this waiter is about to take over (logged by the one that does)
         self._backoff = Backoff(self.poll_max, start=0.01)
-        self._waited = Progress()
         self._lines = WaitLines(log, self.what, speaks=False)  # replaced by each wait
         #: The leader's last (nonce, beat) this waiter read, and when it saw one change (None: not yet).
         self._beat_seen: tuple[Any, Any] | None = None
@@ -365,7 +363,7 @@ class SingleFlight(_DownloadLock):
         if not info:
             return WaitTimeout(f"{self.what}: could not list or read {self.lock_dir} for {self.timeout:.0f} s")
         return WaitTimeout(
-            f"{self.what}: waited {self._waited.elapsed:.0f} s for the process doing it (host "
+            f"{self.what}: waited {self._lines.elapsed:.0f} s for the process doing it (host "
             f"{info.get('host')}, pid {info.get('pid')}), and for the last {self.timeout:.0f} s it "
             f"showed no sign of progress (its lock {self.lock_dir} did not change) although it was not "
             "found dead. Check that process; raise NEMO_SAFE_BARRIER_TIMEOUT if it is merely slow."
@@ -390,7 +388,7 @@ class SingleFlight(_DownloadLock):
         self._finish(generation, "abandoned")
 
     def _wait(self, done: Callable[[], bool]) -> int | None:
-        self._backoff, self._waited = Backoff(self.poll_max, start=0.01), Progress()
+        self._backoff = Backoff(self.poll_max, start=0.01)
         self._lines = WaitLines(log, f"{self.what}: this process waits for the one doing it", self.what)
         self._beat_seen, self._beat_changed_at = None, None
         generation = super()._wait(done)

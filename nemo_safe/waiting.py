@@ -29,7 +29,6 @@ POLL_MAX_FLOOR, POLL_MAX_CEIL, POLLS_PER_SECOND_BUDGET = 0.05, 1.0, 2000.0
 POLL_MAX_SETTING_CEIL = 10.0
 #: :class:`Backoff` pauses 0.75-1.0 x its cap at the cap: the mean interval is this fraction of it.
 MEAN_PAUSE_AT_CAP = 0.875
-PROGRESS_EVERY = 5.0
 
 
 def positive_seconds(what: str, value: object) -> float:
@@ -128,23 +127,3 @@ class Backoff:
         # time.sleep is restarted after signal handlers (PEP 475), so SIGUSR1
         # handlers run and SIGTERM still ends the process.
         time.sleep(self.delay(deadline))
-
-
-class Progress:
-    """Rate-limits the 'still waiting' log line."""
-
-    def __init__(self, every: float = PROGRESS_EVERY) -> None:
-        self.every = every
-        self.start = time.monotonic()
-        self._last = self.start
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now - self._last >= self.every:
-            self._last = now
-            return True
-        return False
-
-    @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start

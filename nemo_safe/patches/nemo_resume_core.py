@@ -161,12 +161,10 @@ def _say_where_nemo_does_not(level: int, message: str, args: tuple[Any, ...]) ->
         "nemo_logger", level, caller.f_code.co_filename, caller.f_lineno, text, (), None, caller.f_code.co_name
     )
     try:
-        sys.stderr.write(_nemo_formatter().format(record) + "\n")
-        flush = getattr(sys.stderr, "flush", None)
-        if flush is not None:
-            flush()
-    except Exception:  # closed, or no text stream: a line nobody can see must not fail the job
-        pass
+        line = _nemo_formatter().format(record)
+    except Exception:  # a formatter that fails must not fail the job either
+        return
+    log_output.write_line(line)
 
 
 def _nemo_formatter() -> logging.Formatter:
