@@ -57,11 +57,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from nemo_safe import cluster_identity, node_copy
-from nemo_safe.barrier_channels import Channel, FileChannel
+from nemo_safe.barrier_channels import Channel, FileChannel, StoreChannel, agent_store_address
 from nemo_safe.barrier_rank_zero import RANK0_POLL_SPEEDUP, RankZero
-from nemo_safe.barrier_state import Outcome
+from nemo_safe.barrier_state import Outcome, ranges
 from nemo_safe.barrier_waiter import Waiter
-from nemo_safe.errors import ConfigurationError
+from nemo_safe.errors import BarrierTimeout, ConfigurationError
 from nemo_safe.records import new_nonce
 from nemo_safe.wait_lines import say
 from nemo_safe.waiting import poll_cap, positive_seconds, timeout_or_default
@@ -76,6 +76,8 @@ T = TypeVar("T")
 #: Metadata calls of one waiter's poll of a directory's ``state`` (open the folder, open the file;
 #: measured by benchmarks/barrier_scale.py): the poll cap budgets calls, not polls.
 CALLS_PER_POLL = 2
+#: How long ``rank_zero_first()`` without a directory gives torchrun's agent store to accept a connection.
+STORE_PROBE_SECONDS = 5.0
 
 # Per-process call counters, so that the n-th barrier of one name uses its own records.
 _sequence: dict[tuple[str, str, str], int] = {}
@@ -193,52 +195,134 @@ class Barrier:
 
     @contextmanager
     def first(self) -> Iterator[Outcome | None]:
-        """Rank 0 enters the block at once (after :meth:`gather`) and its exit publishes the outcome; every
-        other rank enters it once rank 0's block finished (getting rank 0's :class:`Outcome`), or gets
-        :class:`~nemo_safe.errors.RankZeroFailed` if it raised."""
+        """Rank 0 enters the block at once (after :meth:`open`); every other rank enters it once rank 0's block
+        finished (getting rank 0's :class:`Outcome`), or gets :class:`~nemo_safe.errors.RankZeroFailed` if it
+        raised. Rank 0 leaves the block once every other rank has arrived, so is sure to get the outcome (as
+        after Fabric's ``rank_zero_first``): a rank arriving after rank 0's process exited would wait its timeout.
+        Ranks still missing at the timeout are a :class:`~nemo_safe.errors.BarrierTimeout` on rank 0."""
         if self.rank != 0:
             yield self.wait()
             return
         others = f"{self.world_size - 1} other ranks wait" if self.world_size > 2 else "rank 1 waits"
         say(log, "nemo_safe: rank 0 goes first at %s; %s for it", self.where(), others)
-        self.gather()
+        self.open()
+        assert self._rank_zero is not None
         try:
             yield None
+        except Exception as exc:
+            try:
+                missing = self._rank_zero.release(exc, stay=True)
+            except ConfigurationError as problem:  # rank 0's own error comes first; this one is said
+                log.warning("nemo_safe: %s", problem)
+                missing = []
+            if missing:
+                log.warning("nemo_safe: %s: ranks %s never arrived to take rank 0's failure", self.where(),
+                            ranges(missing))  # fmt: skip
+            raise  # the block's own exception, its traceback and chain untouched
+        except BaseException as exc:  # an interrupt or exit: leave now
+            self.release(exc)
+            raise
+        missing = self._rank_zero.release(None, stay=True)
+        if missing:
+            raise BarrierTimeout(
+                f"{self.where()}: rank 0 finished its block, but ranks {ranges(missing)} never arrived within "
+                f"{self.timeout:.0f} s of its start ({self.world_size - len(missing)} of {self.world_size} did). "
+                "Those processes died or never started, or the world size is wrong (compare devices x nodes "
+                "with the launcher's task count)."
+            )
+
+    def run(self, work: Callable[[], T]) -> T | None:
+        """Rank 0 runs ``work`` after every rank arrived (a true barrier: :meth:`gather`); the others wait for
+        it to finish. Rank 0 returns ``work()``, the others None."""
+        if self.rank != 0:
+            self.wait()
+            return None
+        self.gather()
+        try:
+            result = work()
         except BaseException as exc:
             self.release(exc)
             raise
         self.release()
-
-    def run(self, work: Callable[[], T]) -> T | None:
-        """Rank 0 runs ``work`` after every rank arrived; the others wait for it to finish."""
-        with self.first():
-            return work() if self.rank == 0 else None
-        return None  # not reached: first() re-raises what the block raised
+        return result
 
 
 @contextmanager
 def rank_zero_first(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str] | Channel | None = None,
     world_size: int | None = None,
     name: str = "barrier",
+    *,
+    local: bool = False,
     **kwargs: Any,
 ) -> Iterator[Barrier | None]:
     """Run the body on rank 0 first; every other rank enters the body only after
     rank 0's body finished, and gets :class:`~nemo_safe.errors.RankZeroFailed` if it raised.
 
-    ``world_size`` defaults to the launcher's; with one process nothing is written, but unknown keywords,
-    ``timeout``, ``poll_max`` and ``world_size`` are checked as with many (a script tried alone must not
-    fail first on the cluster over them; the directory and ``rank`` are checked where a barrier is made).
+    Rank 0 starts at once; it leaves its body once every other rank has arrived (:meth:`Barrier.first`).
+    ``local=True``: per node, local rank 0 first (for node-local files); ``world_size`` is then the node's
+    process count. ``directory`` is where the ranks meet (shared by every rank of the group); None: torchrun's
+    agent store. The group's size defaults to the launcher's; with one process nothing is written, but
+    unknown keywords, ``timeout``, ``poll_max`` and ``world_size`` are checked as with many (a script tried
+    alone must not fail first on the cluster over them; the directory and ``rank`` are checked where a
+    barrier is made).
     """
     _check_arguments(world_size, name, kwargs)
-    if world_size is None:
-        world_size = cluster_identity.detect().world_size
-    if world_size == 1:
+    if not isinstance(local, bool):
+        raise ConfigurationError(f"rank_zero_first(): local must be True or False, got {local!r}")
+    needs_launcher = local or world_size is None or directory is None or "attempt_key" not in kwargs
+    ident = cluster_identity.detect() if needs_launcher else None
+    if ident is not None and "attempt_key" not in kwargs:
+        kwargs.setdefault("attempt_unique", ident.attempt_unique)  # SLURM, MPI: a second rank 0 is an error
+    if ident is not None and local:
+        size = _node_size(ident, world_size)
+        kwargs.setdefault("rank", ident.local_rank)
+        name = f"{name}.node{ident.node_rank}"
+    else:
+        size = world_size if ident is None or world_size is not None else ident.world_size
+    if size == 1:
         yield None
         return
-    barrier = Barrier(directory, world_size, name, **kwargs)
+    where = _agent_store(ident) if ident is not None and directory is None else directory
+    barrier = Barrier(where, size, name, **kwargs)
     with barrier.first():
         yield barrier
+
+
+def _node_size(ident: cluster_identity.ClusterIdentity, world_size: int | None) -> int:
+    """The per-node group's size: the launcher's, which also numbers the nodes (a ``world_size`` given must agree)."""
+    if ident.local_world_size is None:
+        raise ConfigurationError(
+            f"rank_zero_first(local=True): the launcher ({ident.launcher}) does not say which node this process is "
+            "on and how many processes run there (torchrun and srun do). Order each node yourself: "
+            "rank_zero_first(<a node-local directory>, world_size=<processes on this node>, rank=<local rank>)"
+        )
+    if world_size is not None and world_size != ident.local_world_size:
+        raise ConfigurationError(
+            f"rank_zero_first(local=True, world_size={world_size}): the launcher ({ident.launcher}) runs "
+            f"{ident.local_world_size} processes on this node (node {ident.node_rank}); leave world_size out"
+        )
+    return ident.local_world_size
+
+
+def _agent_store(ident: cluster_identity.ClusterIdentity) -> StoreChannel:
+    """torchrun's agent store, where ``rank_zero_first`` is given no directory. A quick connect first: the
+    store's own client retries a refused port for its whole timeout and prints C++ frames."""
+    address = agent_store_address(os.environ) if ident.launcher == "torchrun" else None
+    if address is None:
+        raise ConfigurationError(
+            f"rank_zero_first() without a directory meets in torchrun's agent store, but this process was "
+            f"started by {ident.launcher!r} without one (torchrun sets TORCHELASTIC_USE_AGENT_STORE=True, "
+            "MASTER_ADDR and MASTER_PORT); pass a directory every rank shares"
+        )
+    try:
+        socket.create_connection(address, timeout=STORE_PROBE_SECONDS).close()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"rank_zero_first() without a directory: torchrun's agent store {address[0]}:{address[1]} does not "
+            f"answer ({exc}); pass a directory every rank shares"
+        ) from None
+    return StoreChannel(*address)
 
 
 def _check_world_size(name: str, world_size: object) -> None:

@@ -77,6 +77,7 @@ class RankZero:
         self.session = ""
         self.accepted: dict[int, Arrival] = {}
         self.rejected: dict[str, str] = {}
+        self.opened_at = time.monotonic()
         self._heartbeat: tuple[threading.Event, threading.Thread] | None = None
 
     def publish_state(self, phase: str, **extra: Any) -> None:
@@ -93,6 +94,7 @@ class RankZero:
         opens). It leaves nothing to release."""
         b = self.b
         b.channel.prepare()
+        self.opened_at = time.monotonic()
         self.session = new_nonce()
         holder: dict[str, Any] | None = None
         try:
@@ -240,7 +242,11 @@ class RankZero:
             lines.tick(lambda here=here: f"{here}; waits {deadline - time.monotonic():.0f} s more")
             backoff.sleep(deadline)
 
-    def release(self, error: BaseException | None, payload: dict[str, Any] | None = None) -> None:
+    def release(
+        self, error: BaseException | None, payload: dict[str, Any] | None = None, stay: bool = False
+    ) -> list[int]:
+        """Publish the outcome. With ``stay`` (after :meth:`Barrier.open`), wait here until every other rank
+        arrived (:meth:`_stay`); returns the ranks that never came when the timeout ended that wait."""
         self._stop_heartbeat()
         outcome: dict[str, Any] = {"ok": error is None, "payload": payload or {}}
         if error is not None:
@@ -249,11 +255,56 @@ class RankZero:
             self.accepted = self.scan()
         accepting = self.open and len(self.accepted) < self.b.world_size - 1
         self._publish_outcome(outcome, accepting)
+        missing: list[int] = []
+        if stay and accepting:
+            try:
+                missing, accepting = self._stay(outcome), False
+            except BaseException:  # Ctrl-C or a rejected rank: the outcome stands as published, closed
+                self._publish_outcome(outcome, accepting=False)
+                raise
         if error is not None and not accepting:
             # Keep the failure visible so that ranks arriving late stop with rank 0's
             # reason instead of timing out; the next attempt replaces it.
-            return
+            return missing
         _start_thread(self._finish, f"nemo_safe-barrier-{self.b.name}", outcome, accepting)
+        return missing
+
+    def _stay(self, outcome: dict[str, Any]) -> list[int]:
+        """Accept late ranks in this thread until every other rank arrived (its nonce is listed, or it took
+        the outcome unlisted), as a barrier after rank 0's work (Fabric's ``rank_zero_first`` waits there
+        too): a rank arriving after rank 0's process exited could not tell its outcome from an earlier
+        attempt's. Ends at the timeout counted from the opening (never sooner than a few polls of the
+        waiters); returns the ranks still missing then. A rank rank 0 rejected (another world size, a rank
+        outside it) is a :class:`ConfigurationError` as soon as it is seen."""
+        b = self.b
+        deadline = max(self.opened_at + b.timeout, time.monotonic() + max(1.0, 2 * b.poll_max))
+        backoff = Backoff(max(POLL_MIN, b.poll_max / RANK0_POLL_SPEEDUP))
+        ended = "finished first" if outcome["ok"] else f"failed ({outcome['error_type']}: {outcome['error']})"
+        lines = WaitLines(log, f"rank 0 {ended} at {b.where()} and waits for the other ranks to take its outcome",
+                          "rank 0")  # fmt: skip
+        said_failure = outcome["ok"]
+        while True:
+            before = len(self.accepted)
+            self.accepted = self.scan()
+            accounted = set(self.accepted) | b.channel.taken_ranks(self.session)  # took it unlisted
+            missing = [r for r in range(1, b.world_size) if r not in accounted]
+            if self.rejected:  # a rank that can never be counted (another world size): say so now, not at the timeout
+                raise ConfigurationError(f"{b.where()}: {next(iter(self.rejected.values()))}")
+            if not missing or time.monotonic() >= deadline:
+                self._publish_outcome(outcome, accepting=False)
+                if not missing:
+                    lines.released("every rank arrived")
+                return missing
+            if not said_failure:  # the traceback waits for them: say at once what rank 0 raises
+                said_failure = True
+                log.warning("nemo_safe: %s: rank 0's block raised %s: %s; it raises that once ranks %s have taken it "
+                            "(at most %.0f s)", b.where(), outcome["error_type"], outcome["error"], ranges(missing),
+                            deadline - time.monotonic())  # fmt: skip
+            if len(self.accepted) != before:
+                self._publish_outcome(outcome, accepting=True)
+            here = f"{b.world_size - len(missing)} of {b.world_size} have it, missing ranks {ranges(missing)}"
+            lines.tick(lambda here=here: f"{here}; waits {deadline - time.monotonic():.0f} s more")
+            backoff.sleep(deadline)
 
     def _publish_outcome(self, outcome: dict[str, Any], accepting: bool) -> None:
         accepted = {str(r): a.nonce for r, a in self.accepted.items()}

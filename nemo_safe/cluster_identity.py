@@ -49,6 +49,10 @@ class ClusterIdentity:
     #: The key names this attempt only. False under torchrun: its restarts keep the run id and
     #: the agent's store address, and nothing else every worker sees tells the rounds apart.
     attempt_unique: bool = True
+    #: Processes of this job on this node, where the launcher says so together with a node index that is the
+    #: same on every process of the node and differs between nodes (torchrun, srun; ``rank_zero_first(local=True)``
+    #: groups by them); else None. Open MPI's and PMIx's NODE_RANK count processes on a node, not nodes.
+    local_world_size: int | None = None
 
     @property
     def is_multi_process(self) -> bool:
@@ -88,6 +92,27 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise ConfigurationError(
             f"launcher variable {name}={value!r} is not an integer; " "check the job script that exports it"
         ) from None
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    """A count only some uses need: absent or malformed is None (those uses say so), never an error here."""
+    value = env.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _tasks_on_this_node(env: Mapping[str, str], node: int) -> int | None:
+    """This node's entry of the step's task list (``2(x3),1`` = 2, 2, 2, 1). ``SLURM_NODEID`` counts the nodes of
+    the allocation: it indexes the step's list only where the step spans them all (or every entry is equal)."""
+    counts: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match[1])] * int(match[2] or 1)
+    if len(set(counts)) == 1:
+        return counts[0] or None
+    spans_allocation = env.get("SLURM_STEP_NUM_NODES") == env.get("SLURM_JOB_NUM_NODES") == str(len(counts))
+    return (counts[node] or None) if spans_allocation and 0 <= node < len(counts) else None
 
 
 def _key(*parts: object) -> str:
@@ -161,7 +186,9 @@ class TorchElastic(Launcher):
         )
         node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", 0))
         ident = cls._make(_int(env, "RANK"), _int(env, "LOCAL_RANK"), node_rank, _int(env, "WORLD_SIZE"), key)
-        return replace(ident, attempt_unique=False)
+        # GROUP_RANK is the node index torchrun's rendezvous assigns; a look-alike launcher without it gives no nodes.
+        local_size = _optional_int(env, "LOCAL_WORLD_SIZE") if env.get("GROUP_RANK", "").isdigit() else None
+        return replace(ident, attempt_unique=False, local_world_size=local_size)
 
 
 class Slurm(Launcher):
@@ -189,13 +216,9 @@ class Slurm(Launcher):
             env.get("SLURM_JOB_START_TIME"),
         )
         world = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS"))
-        return cls._make(
-            _int(env, "SLURM_PROCID", 0),
-            _int(env, "SLURM_LOCALID", 0),
-            _int(env, "SLURM_NODEID", 0),
-            world,
-            key,
-        )
+        node = _int(env, "SLURM_NODEID", 0)
+        ident = cls._make(_int(env, "SLURM_PROCID", 0), _int(env, "SLURM_LOCALID", 0), node, world, key)
+        return replace(ident, local_world_size=_tasks_on_this_node(env, node))
 
 
 class OpenMPI(Launcher):
@@ -216,13 +239,14 @@ class OpenMPI(Launcher):
             or env.get("OMPI_MCA_orte_ess_jobid")
             or env.get("OMPI_MCA_orte_hnp_uri", "")
         )
-        return cls._make(
+        ident = cls._make(
             _int(env, "OMPI_COMM_WORLD_RANK"),
             _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
             _int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
             _int(env, "OMPI_COMM_WORLD_SIZE"),
             _key("openmpi", job),
         )
+        return ident
 
 
 class PMIx(Launcher):
@@ -243,13 +267,14 @@ class PMIx(Launcher):
                 "PMIx launcher detected (PMIX_RANK is set) but no world size: "
                 "export WORLD_SIZE in the job script or pass world_size explicitly"
             )
-        return cls._make(
+        ident = cls._make(
             _int(env, "PMIX_RANK"),
             _int(env, "PMIX_LOCAL_RANK", 0),
             _int(env, "PMIX_NODE_RANK", 0),
             size,
             _key("pmix", env.get("PMIX_NAMESPACE")),
         )
+        return ident
 
 
 class NoLauncher(Launcher):
@@ -271,7 +296,7 @@ class NoLauncher(Launcher):
                 "shell, not as the launcher (as Lightning does); submit with -J <name> "
                 "if this is a multi-task srun step"
             )
-        return ClusterIdentity(cls.name, 0, 0, 0, 1, _key("local", os.getpid()), tuple(warnings))
+        return ClusterIdentity(cls.name, 0, 0, 0, 1, _key("local", os.getpid()), tuple(warnings), local_world_size=1)
 
 
 #: Detection order: the first launcher whose ``detect()`` is true wins.

@@ -19,7 +19,7 @@ from typing import Any
 
 from nemo_safe import cluster_identity
 from nemo_safe.atomic_files import publish, read_if_exists, unlink_if_exists
-from nemo_safe.barrier import rank_zero_first
+from nemo_safe.barrier import Barrier, rank_zero_first
 from nemo_safe.errors import NemoSafeError
 from nemo_safe_tools import local_ranks
 from nemo_safe_tools.mounts import filesystem_type
@@ -80,27 +80,33 @@ def run_member(directory: str, timeout: float | None, work_seconds: float) -> di
     }
     result_name = f"{tag}.rank{rank}.json"
     publish(directory, result_name, json.dumps(mine).encode())
+
+    def collect() -> dict[str, Any]:
+        results = []
+        for r in range(world):
+            raw = read_if_exists(os.path.join(directory, f"{tag}.rank{r}.json"))
+            if raw is None:
+                raise NemoSafeError(f"selftest: rank {r} released but left no result")
+            results.append(json.loads(raw))
+        return {
+            "launcher": ident.launcher,
+            "world_size": world,
+            "attempt_key": ident.attempt_key,
+            "directory": os.path.abspath(directory),
+            "filesystem": filesystem_type(directory),
+            "hosts": sorted({r["host"] for r in results}),
+            "all_saw_rank0_work": all(r["saw_marker"] for r in results),
+            # From when each waiting rank could go on (rank 0's work done, or its own late start) to its release.
+            "release_latency_s": max(
+                (r["released"] - max(r["entered"], work_done) for r in results if r["rank"] != 0), default=0.0
+            ),
+            "warnings": list(ident.warnings),
+        }
+
     report: dict[str, Any] | None = None
     try:
-        with rank_zero_first(directory, world, "selftest-report", timeout=timeout):
-            if rank == 0:
-                results = []
-                for r in range(world):
-                    raw = read_if_exists(os.path.join(directory, f"{tag}.rank{r}.json"))
-                    if raw is None:
-                        raise NemoSafeError(f"selftest: rank {r} released but left no result")
-                    results.append(json.loads(raw))
-                report = {
-                    "launcher": ident.launcher,
-                    "world_size": world,
-                    "attempt_key": ident.attempt_key,
-                    "directory": os.path.abspath(directory),
-                    "filesystem": filesystem_type(directory),
-                    "hosts": sorted({r["host"] for r in results}),
-                    "all_saw_rank0_work": all(r["saw_marker"] for r in results),
-                    "release_latency_s": max(r["released"] for r in results) - work_done,
-                    "warnings": list(ident.warnings),
-                }
+        # Rank 0 reads every rank's result: it gathers them all first (Barrier.run), unlike rank_zero_first.
+        report = collect() if world == 1 else Barrier(directory, world, "selftest-report", timeout=timeout).run(collect)
     finally:
         unlink_if_exists(os.path.join(directory, result_name))
         if rank == 0:

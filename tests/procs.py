@@ -17,6 +17,7 @@ from nemo_safe.cluster_identity import without_launchers
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "barrier_worker.py")
+RANK_ZERO_FIRST_WORKER = str(HERE / "rank_zero_first_worker.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -87,12 +88,14 @@ class Ranks:
         return self
 
 
-def start_ranks(world: int, env_for_rank, args: list[str], ranks: list[int] | None = None) -> Ranks:
+def start_ranks(
+    world: int, env_for_rank, args: list[str], ranks: list[int] | None = None, worker: str = WORKER
+) -> Ranks:
     procs = {}
     for rank in ranks if ranks is not None else range(world):
         env = clean_env(**env_for_rank(rank))
         procs[rank] = subprocess.Popen(
-            [sys.executable, WORKER, *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, worker, *args], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
     return Ranks(procs)
 

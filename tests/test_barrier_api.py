@@ -63,7 +63,7 @@ def test_single_process_writes_nothing(tmp_path: Path) -> None:
 
 BAD_ARGUMENTS = [
     ({"timeot": 60}, TypeError, "unexpected keyword arguments \\['timeot'\\]"),
-    ({"local": True}, TypeError, "unexpected keyword arguments \\['local'\\]"),
+    ({"local": "yes"}, ConfigurationError, "local must be True or False"),
     ({"timeout": -1}, ConfigurationError, "timeout must be a finite, positive number"),
     ({"timeout": float("nan")}, ConfigurationError, "timeout must be a finite, positive number"),
     ({"poll_max": 0}, ConfigurationError, "poll_max must be a finite, positive number"),
@@ -110,3 +110,68 @@ def test_read_only_directory_is_a_clear_error(tmp_path: Path) -> None:
             barrier.gather()
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_one_process_needs_neither_directory_nor_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with rank_zero_first() as barrier:
+        assert barrier is None
+    with rank_zero_first(local=True) as barrier:
+        assert barrier is None
+
+
+def test_no_directory_without_torchrun_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only torchrun serves a store to its workers; elsewhere the call says what to pass."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    env = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "9", "SLURM_JOB_NAME": "train"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match="started by 'slurm' without one.*pass a directory"):
+        with rank_zero_first():
+            pytest.fail("the block must not run")
+
+
+@pytest.mark.parametrize(
+    ("env", "world_size", "says"),
+    [
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "9", "SLURM_JOB_NAME": "train"}, None,
+         "does not say which node this process is on"),
+        # deepspeed-style: no GROUP_RANK, so every node would meet as node 0; a count given does not help
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 2,
+         "does not say which node this process is on"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, None,
+         "launcher \\(openmpi\\) does not say"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, 3,
+         "runs 2 processes on this node"),
+    ],
+)  # fmt: skip
+def test_local_form_refuses_a_launcher_that_does_not_number_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], world_size: int | None, says: str
+) -> None:
+    """Per node needs a node index equal on a node's processes and different between nodes: without one, every
+    node's first process would act as rank 0 of one group at once."""
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=says):
+        with rank_zero_first(tmp_path, world_size, local=True):
+            pytest.fail("the block must not run")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_directory_with_a_store_that_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused port is named in seconds (the store's own client retries for its timeout)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=f"agent store 127.0.0.1:{port} does not answer"):
+        with rank_zero_first():
+            pytest.fail("the block must not run")

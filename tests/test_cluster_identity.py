@@ -183,3 +183,50 @@ def test_validate_settings_checks_the_trainer_against_the_launcher(env: dict[str
     assert f"num_nodes=2 x devices={world} = {2 * world} processes" in message
     assert f"{ident.launcher} started {world} (this is rank {ident.rank})" in message
     assert hint in message
+
+
+# (case, env, processes on this node as the launcher says; None: it does not)
+STEP = {**SLURM, "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "2"}
+LOCAL_SIZES = [
+    ("nothing", {}, 1),
+    ("slurm step", {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, 4),
+    ("slurm even step on some nodes of the allocation", {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "4"}, 4),
+    ("slurm uneven, node 1", {**STEP, "SLURM_STEP_TASKS_PER_NODE": "5,3"}, 3),
+    (
+        "slurm compressed, node 1",
+        {**STEP, "SLURM_STEP_TASKS_PER_NODE": "2,6(x2)", "SLURM_STEP_NUM_NODES": "3", "SLURM_JOB_NUM_NODES": "3"},
+        6,
+    ),  # fmt: skip
+    # SLURM_NODEID counts the allocation's nodes: it cannot index the list of a step on fewer of them.
+    (
+        "slurm uneven step on some nodes",
+        {**STEP, "SLURM_STEP_TASKS_PER_NODE": "5,3", "SLURM_JOB_NUM_NODES": "4"},
+        None,
+    ),  # fmt: skip
+    ("slurm allocation's list only", {**SLURM, "SLURM_TASKS_PER_NODE": "4(x2)"}, None),
+    ("slurm without a list", SLURM, None),
+    ("slurm list malformed", {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "4(2)"}, None),
+    ("torchrun", {**TORCHRUN, "LOCAL_WORLD_SIZE": "8"}, 8),
+    ("torchrun without LOCAL_WORLD_SIZE", TORCHRUN, None),
+    ("torchrun LOCAL_WORLD_SIZE not a number", {**TORCHRUN, "LOCAL_WORLD_SIZE": "eight"}, None),
+    # deepspeed-style: torchrun's variables without GROUP_RANK, so nothing numbers the nodes
+    (
+        "torchrun look-alike without GROUP_RANK",
+        {k: v for k, v in {**TORCHRUN, "LOCAL_WORLD_SIZE": "8"}.items() if k != "GROUP_RANK"},
+        None,
+    ),  # fmt: skip
+    # Open MPI's and PMIx's NODE_RANK count the processes on a node across jobs, not the nodes
+    ("open mpi", {**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, None),
+    (
+        "pmix",
+        {"PMIX_RANK": "1", "PMIX_NAMESPACE": "ns", "PMIX_SIZE": "4", "PMIX_LOCAL_SIZE": "2", "PMIX_NODE_RANK": "0"},
+        None,
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("case,env,size", LOCAL_SIZES, ids=[t[0] for t in LOCAL_SIZES])
+def test_local_world_size(case: str, env: dict[str, str], size: int | None) -> None:
+    """The node's process count for ``rank_zero_first(local=True)``, given only with a node index that numbers
+    nodes; a missing or odd one is None (that form then refuses), never an error for anything else."""
+    assert detect(env).local_world_size == size
