@@ -270,10 +270,8 @@ def rank_zero_first(
     _check_arguments(world_size, name, kwargs)
     if not isinstance(local, bool):
         raise ConfigurationError(f"rank_zero_first(): local must be True or False, got {local!r}")
-    needs_launcher = local or world_size is None or directory is None or "attempt_key" not in kwargs
+    needs_launcher = local or world_size is None or directory is None
     ident = cluster_identity.detect() if needs_launcher else None
-    if ident is not None and "attempt_key" not in kwargs:
-        kwargs.setdefault("attempt_unique", ident.attempt_unique)  # SLURM, MPI: a second rank 0 is an error
     if ident is not None and local:
         size = _node_size(ident, world_size)
         kwargs.setdefault("rank", ident.local_rank)
@@ -300,7 +298,7 @@ def _node_size(ident: cluster_identity.ClusterIdentity, world_size: int | None) 
     if world_size is not None and world_size != ident.local_world_size:
         raise ConfigurationError(
             f"rank_zero_first(local=True, world_size={world_size}): the launcher ({ident.launcher}) runs "
-            f"{ident.local_world_size} processes on this node (node {ident.node_rank}); leave world_size out"
+            f"{ident.local_world_size} process(es) on this node (node {ident.node_rank}); leave world_size out"
         )
     return ident.local_world_size
 

@@ -101,8 +101,8 @@ def _optional_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _tasks_on_this_node(env: Mapping[str, str], node: int) -> int | None:
-    """This node's entry of the step's task list (``2(x3),1`` = 2, 2, 2, 1). ``SLURM_NODEID`` counts the nodes of
-    the allocation: it indexes the step's list only where the step spans them all (or every entry is equal)."""
+    """This node's entry of the step's task list (``2(x3),1`` = 2, 2, 2, 1). An uneven list is indexed by
+    ``SLURM_NODEID`` only where the step spans the whole allocation (where no reading of that variable differs)."""
     counts: list[int] = []
     for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())

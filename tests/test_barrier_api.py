@@ -123,7 +123,10 @@ def test_one_process_needs_neither_directory_nor_store(monkeypatch: pytest.Monke
 
 def test_no_directory_without_torchrun_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only torchrun serves a store to its workers; elsewhere the call says what to pass."""
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(name)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
     env = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "9", "SLURM_JOB_NAME": "train"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -143,7 +146,7 @@ def test_no_directory_without_torchrun_is_a_clear_error(monkeypatch: pytest.Monk
         ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, None,
          "launcher \\(openmpi\\) does not say"),
         ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, 3,
-         "runs 2 processes on this node"),
+         "runs 2 process\\(es\\) on this node"),
     ],
 )  # fmt: skip
 def test_local_form_refuses_a_launcher_that_does_not_number_nodes(
@@ -175,3 +178,12 @@ def test_no_directory_with_a_store_that_does_not_answer(monkeypatch: pytest.Monk
     with pytest.raises(ConfigurationError, match=f"agent store 127.0.0.1:{port} does not answer"):
         with rank_zero_first():
             pytest.fail("the block must not run")
+
+
+def test_one_process_with_a_world_size_reads_no_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rank_zero_first(directory, 1)`` with a directory needs nothing of the launcher: variables it cannot read
+    (a PMIx job without a size) do not make it fail."""
+    monkeypatch.setenv("PMIX_RANK", "0")
+    monkeypatch.setenv("PMIX_NAMESPACE", "x")
+    with rank_zero_first(tmp_path, 1) as barrier:
+        assert barrier is None

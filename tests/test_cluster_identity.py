@@ -197,7 +197,7 @@ LOCAL_SIZES = [
         {**STEP, "SLURM_STEP_TASKS_PER_NODE": "2,6(x2)", "SLURM_STEP_NUM_NODES": "3", "SLURM_JOB_NUM_NODES": "3"},
         6,
     ),  # fmt: skip
-    # SLURM_NODEID counts the allocation's nodes: it cannot index the list of a step on fewer of them.
+    # An uneven step on fewer nodes than the allocation: nemo_safe does not rely on SLURM_NODEID indexing it.
     (
         "slurm uneven step on some nodes",
         {**STEP, "SLURM_STEP_TASKS_PER_NODE": "5,3", "SLURM_JOB_NUM_NODES": "4"},
