@@ -239,14 +239,13 @@ class OpenMPI(Launcher):
             or env.get("OMPI_MCA_orte_ess_jobid")
             or env.get("OMPI_MCA_orte_hnp_uri", "")
         )
-        ident = cls._make(
+        return cls._make(
             _int(env, "OMPI_COMM_WORLD_RANK"),
             _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
             _int(env, "OMPI_COMM_WORLD_NODE_RANK", 0),
             _int(env, "OMPI_COMM_WORLD_SIZE"),
             _key("openmpi", job),
         )
-        return ident
 
 
 class PMIx(Launcher):
@@ -267,14 +266,13 @@ class PMIx(Launcher):
                 "PMIx launcher detected (PMIX_RANK is set) but no world size: "
                 "export WORLD_SIZE in the job script or pass world_size explicitly"
             )
-        ident = cls._make(
+        return cls._make(
             _int(env, "PMIX_RANK"),
             _int(env, "PMIX_LOCAL_RANK", 0),
             _int(env, "PMIX_NODE_RANK", 0),
             size,
             _key("pmix", env.get("PMIX_NAMESPACE")),
         )
-        return ident
 
 
 class NoLauncher(Launcher):
