@@ -86,7 +86,7 @@ def test_single_flight_runs_the_upstream_lock_protocol(tmp_path: Path) -> None:
         leader = threading.Thread(target=SingleFlight(tmp_path, "job").run, args=(job, (tmp_path / "made").exists))
         leader.start()
         waiter = SingleFlight(tmp_path, "job")
-        while not (tmp_path / ".nemo_safe").exists():  # the leader has won generation 0
+        while not waiter.locks.generations():  # the leader has won generation 0 (its lock folder alone is not that)
             threading.Event().wait(0.01)
         threading.Timer(1.5, release.set).start()  # the leader beats at least once first
         waiter.run(lambda: pytest.fail("the waiter ran the job"), (tmp_path / "made").exists)
