@@ -1,24 +1,32 @@
 """Downloads on 8 ranks, upstream vs nemo_safe vs one rank alone, side by side in one run:
-``MNIST(root, download=True)``, ``CIFAR10(root, download=True)`` and pretrained weights
-(``squeezenet1_1`` weights through ``WeightsEnum.get_state_dict`` -> ``torch.hub``).
+``MNIST(root, download=True)``, ``CIFAR10(root, download=True)``, pretrained weights
+(``squeezenet1_1`` weights through ``WeightsEnum.get_state_dict`` -> ``torch.hub``) and NeMo's
+``ModelPT.from_pretrained`` of an NGC model (``maybe_download_from_cloud``).
 
 Every configuration downloads from a real HTTP mirror on 127.0.0.1 whose link is
 shared by all responses and throttled (``--link-mbps``, default 5 MB/s: a site's
 internet uplink, which 8 upstream ranks fetching the same files share). Ranks are
 started by torch.multiprocessing.spawn and released together after
-init_process_group (the FSDP tutorial). Measured per run: body bytes served (without
-torchvision's own redirect probes) over the bytes of the file set, and the slowest
-rank's seconds inside the dataset constructor / the weights load, from release to
-loaded; reported as medians over ``--rounds`` interleaved rounds, each against the
-median of "one rank alone, upstream" for the same workload.
+init_process_group (the FSDP tutorial); from_pretrained's are local processes with
+torchrun-style variables and no process group (a model is built before torch.distributed
+exists), released together once each has imported NeMo, all with one fresh ``NEMO_CACHE_DIR``
+per run (:mod:`nemo_safe_tools.from_pretrained_race`, the demo's race). Measured per run:
+body bytes served (without torchvision's own redirect probes) over the bytes of the file
+set, and the slowest rank's seconds inside the dataset constructor / the weights load /
+``from_pretrained``, from release to loaded; reported as medians over ``--rounds``
+interleaved rounds, each against the median of "one rank alone, upstream" for the same
+workload.
 
 The files: the original MNIST files when ``../shared/data/mnist`` exists (else
 synthetic files of MNIST's sizes); a generated CIFAR10 archive in CIFAR's exact
 layout (``tests/dataset_files.py``, 1,000 images per batch, 18 MB); a
 freshly initialised squeezenet1_1 state dict (``tests/hub_worker.py``, 5 MB)
-under a hub-style name with its hash prefix, loaded with ``check_hash=True``.
+under a hub-style name with its hash prefix, loaded with ``check_hash=True``; a
+``.nemo`` of the demo's ``TinyModel`` widened to one 2048 x 2048 linear layer (NeMo's
+own ``save_to``, 16.8 MB), registered as an NGC model at the mirror.
 
-Run: .venv/bin/python benchmarks/download_time.py [--rounds 2] [--ranks 8] [--only MNIST,CIFAR10,weights]
+Run: .venv/bin/python benchmarks/download_time.py [--rounds 2] [--ranks 8]
+     [--only MNIST,CIFAR10,weights,from_pretrained]
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from nemo_safe_tools.loopback_mirror import FileStats, LoopbackMirror  # noqa: E
 import download_harness  # noqa: E402
 
 MNIST_DIR = HERE.parents[1] / "shared" / "data" / "mnist"
+#: from_pretrained's model: one linear layer of this width (16.8 MB of float32), near the other workloads' sizes.
+FROM_PRETRAINED_WIDTH = 2048
 
 
 class SharedLinkMirror(LoopbackMirror):
@@ -138,13 +148,31 @@ def weights() -> Workload:
     return Workload("weights", "squeezenet1_1 weights via torch.hub", {name: data}, spawn)
 
 
+def from_pretrained() -> Workload:
+    from nemo_safe_tools import from_pretrained_race as race
+
+    with tempfile.TemporaryDirectory(prefix="nemo_safe_bench_") as tmp:
+        model = race.make_tiny_nemo(Path(tmp), width=FROM_PRETRAINED_WIDTH)
+
+    def spawn(ranks: int, url: str, tmp: Path, disable: bool, res: str) -> dict[int, dict[str, Any]]:
+        return race.run_ranks(ranks, url + race.FILE_NAME, tmp / "cache", tmp / res, disable=disable)
+
+    what = f"NeMo from_pretrained (NGC) of a {FROM_PRETRAINED_WIDTH}x{FROM_PRETRAINED_WIDTH} TinyModel .nemo"
+    return Workload("from_pretrained", what, {race.FILE_NAME: model.data}, spawn)
+
+
 def _results(found: dict[int, dict[str, Any]], ranks: int, out: subprocess.CompletedProcess[str]) -> dict:
     if len(found) < ranks:
         raise SystemExit(f"only {len(found)} of {ranks} ranks reported:\n{out.stderr[-2000:]}")
     return found
 
 
-WORKLOADS: dict[str, Callable[[], Workload]] = {"MNIST": mnist, "CIFAR10": cifar10, "weights": weights}
+WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "MNIST": mnist,
+    "CIFAR10": cifar10,
+    "weights": weights,
+    "from_pretrained": from_pretrained,
+}
 
 
 def measure(
@@ -185,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         for work in works:
             for config, ranks, disable, on_disk in configs:
                 rows.setdefault((work.name, config), []).append(measure(work, ranks, disable, link, on_disk))
-    print(
-        f"Downloads on {args.ranks} ranks of torch.multiprocessing.spawn, mirror link {args.link_mbps:g} MB/s shared, "
-        f"{args.rounds} rounds, medians"
-    )
+    launch = f"{args.ranks} ranks of torch.multiprocessing.spawn"
+    local = "local processes with torchrun-style variables, no process group"
+    if all(work.name == "from_pretrained" for work in works):
+        launch = f"{args.ranks} {local}"
+    elif any(work.name == "from_pretrained" for work in works):
+        launch += f" (from_pretrained: {local})"
+    print(f"Downloads on {launch}, mirror link {args.link_mbps:g} MB/s shared, {args.rounds} rounds, medians")
     print()
     print("| workload | configuration | slowest rank, s | vs one rank alone | bytes served / file set | failed ranks |")
     print("|---|---|---|---|---|---|")

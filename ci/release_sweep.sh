@@ -19,10 +19,14 @@ profiles=("$@")
 # The release-dependent NeMo tests: the exp_manager matrix under torchrun (the resume race and its upstream twin
 # among its cases), the version guard, import orders, one process, NeMo 2.x's NeMoLogger path (skipped where NeMo
 # has none). The fault cases and the srun/node-local/restart runs exercise nemo_safe's own code, identical on every
-# release: they run once, on main.
-NEMO_TESTS=(tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py tests/test_nemo_logger_path.py)
+# release: they run once, on main. NeMo's own downloads: 8 ranks' from_pretrained and its twin, one process's
+# refresh, the Megatron files (skipped where NeMo keeps them elsewhere); their fault cases run on main only, although
+# 1.23 to 2.7.3 download through wget (a gap, said in docs/nemo.md).
+NEMO_TESTS=(tests/test_nemo_exp_manager.py tests/test_exp_manager_matrix.py tests/test_nemo_logger_path.py
+    tests/test_nemo_downloads.py)
 NEMO_K="not demo_command and not local_launcher and not killed and not read_only and not disagree \
-and not srun_two_nodes and not node_local and not node_copies and not restart and not train_then_resume"
+and not srun_two_nodes and not node_local and not node_copies and not restart and not train_then_resume \
+and not broken_download and not refresh_cache"
 # The release-dependent torchvision / torch.hub tests: MNIST's race and its twin, one more dataset family (CIFAR10,
 # SVHN, Omniglot, OxfordIIITPet), hub weights and their twin, each gate's verdict, patch and unpatch.
 TORCHVISION_TESTS=(tests/test_torchvision_downloads.py tests/test_torchvision_datasets.py tests/test_torch_hub.py)

@@ -22,13 +22,18 @@ HERE = Path(__file__).resolve().parent
 SWEEP = HERE.parent / ".sweep"
 BEGIN, END = "<!-- support-table: begin (ci/release_sweep.sh writes it) -->", "<!-- support-table: end -->"
 DISTRIBUTIONS = ("nemo_toolkit", "torchvision", "torch", "lightning", "pytorch-lightning")
-MODULES = {"nemo": ("nemo.utils.exp_manager",), "torchvision": ("torchvision.datasets", "torch.hub")}
-#: Imported where they exist (NeMo 2.x's NeMoLogger: not in 1.x nor 3.0).
-OPTIONAL = {"nemo": ("nemo.lightning.nemo_logger",), "torchvision": ()}
+MODULES = {"nemo": ("nemo.utils.exp_manager", "nemo.utils.cloud"), "torchvision": ("torchvision.datasets", "torch.hub")}
+#: Imported where they exist (NeMo 2.x's NeMoLogger: not in 1.x nor 3.0; Megatron's downloads: not there in 1.x).
+OPTIONAL = {
+    "nemo": ("nemo.lightning.nemo_logger", "nemo.collections.common.tokenizers.megatron_utils"),
+    "torchvision": (),
+}
 #: Patch -> its column in the table.
 COLUMNS = {
     "nemo-exp-manager-resume": "NeMo exp_manager",
     "nemo-logger-resume-order": "NeMo 2.x NeMoLogger",
+    "nemo-cloud-single-flight": "NeMo NGC from_pretrained",
+    "nemo-megatron-single-flight": "Megatron vocab/merges",
     "torchvision-atomic-downloads": "torchvision downloads",
     "torchvision-mnist-single-flight": "MNIST family",
     "torchvision-datasets-single-flight": "27 dataset classes",

@@ -209,6 +209,11 @@ def _patch_files(series: Series) -> dict[str, Path]:
     return {patch.slug: path for patch, path in zip(series.patches, files, strict=True)}
 
 
+def _patches_for(series: Series, version: str) -> list[UpstreamPatch]:
+    """The series' patches written for ``version`` (a patch may name the releases whose code it fits)."""
+    return [p for p in series.patches if p.applies_to(version)]
+
+
 def _added_tests(series: Series, patch: UpstreamPatch, before: Path, after: Path) -> set[str]:
     return {t for rel in patch.tests for t in _test_names(after / rel, rel) - _test_names(before / rel, rel)}
 
@@ -234,11 +239,12 @@ def _verify_alone(series: Series, version: str, patch: UpstreamPatch, repo: Path
 
 def _verify_series(series: Series, version: str, repo: Path, base: str, work: Path) -> list[str]:
     project, python = series.project, _python(series.project, version)
-    files = list(_patch_files(series).values())
+    patches = _patches_for(series, version)
+    files = [_patch_files(series)[p.slug] for p in patches]
     tree = _tree_with(repo, base, f"{project}-{version}-series", files, work)
-    test_files = sorted({t for p in series.patches for t in p.tests})
-    added = {t for p in series.patches for t in _added_tests(series, p, repo, tree)}
-    races = {t for p in series.patches for t in p.race_tests}
+    test_files = sorted({t for p in patches for t in p.tests})
+    added = {t for p in patches for t in _added_tests(series, p, repo, tree)}
+    races = {t for p in patches for t in p.race_tests}
     whole = series.runs_whole_files(version)
     patched_tests, unpatched_tests = (test_files, test_files) if whole else (sorted(added), sorted(races))
     patched = _run_tests(project, python, _importable(project, tree, python, work), tree, patched_tests, work)
@@ -275,7 +281,7 @@ def _verify_series(series: Series, version: str, repo: Path, base: str, work: Pa
     ]
     lines += [f"    unpatched {t}: {r}" for t, r in sorted(unpatched.reasons.items()) if _base_id(t) in races]
     if whole:
-        lines += _new_tests_unpatched(series, added, races, unpatched)
+        lines += _new_tests_unpatched(series, version, added, races, unpatched)
     known = sorted(t for t, r in patched.results.items() if r != "passed")
     if known:
         lines.append(f"  failing or skipped patched and unpatched alike (the release's own, here): {known}")
@@ -283,11 +289,13 @@ def _verify_series(series: Series, version: str, repo: Path, base: str, work: Pa
     return lines
 
 
-def _new_tests_unpatched(series: Series, added: set[str], races: set[str], unpatched: Outcome) -> list[str]:
+def _new_tests_unpatched(
+    series: Series, version: str, added: set[str], races: set[str], unpatched: Outcome
+) -> list[str]:
     """Each test the series adds, run on the unpatched release: it fails there (it can fail), or it is declared
     behaviour-keeping (``keeps_behaviour``) and passes. A new test that passes unpatched undeclared, or a declared
     one that fails, is an error: the first could be a test that cannot fail."""
-    keeping = {t for p in series.patches for t in p.keeps_behaviour}
+    keeping = {t for p in _patches_for(series, version) for t in p.keeps_behaviour}
     lines, wrong = [f"  each new test on the unpatched release ({len(added)}):"], []
     for test in sorted(added):
         results = {r for t, r in unpatched.results.items() if _base_id(t) == test}
@@ -332,7 +340,10 @@ def verify(series: Series, version: str, work: Path) -> list[str]:
     lines = [f"{series.project} {version}:"]
     print(f"verify_patches: {lines[0]}", flush=True)
     for patch in series.patches:
-        lines.append(_verify_alone(series, version, patch, repo, base, work))
+        if patch.applies_to(version):
+            lines.append(_verify_alone(series, version, patch, repo, base, work))
+        else:
+            lines.append(f"  {patch.slug}: not for {version} (written for {', '.join(patch.releases)})")
         print(f"verify_patches: {lines[-1]}", flush=True)
     for line in _verify_series(series, version, repo, base, work):
         lines.append(line)

@@ -37,6 +37,9 @@ BINDINGS = "torchvision-download-url-bindings"
 MNIST = "torchvision-mnist-single-flight"
 DATASETS = "torchvision-datasets-single-flight"
 HUB = "torch-hub-single-flight"
+CLOUD = "nemo-cloud-single-flight"
+CLOUD_BINDING = "nemo-cloud-binding-common"
+MEGATRON = "nemo-megatron-single-flight"
 #: Patch -> (the module it patches, the distribution whose release it must recognise).
 PATCHES = {
     EXP_MANAGER: ("nemo.utils.exp_manager", "nemo_toolkit"),
@@ -46,6 +49,9 @@ PATCHES = {
     MNIST: ("torchvision.datasets.mnist", "torchvision"),
     DATASETS: ("torchvision.datasets", "torchvision"),
     HUB: ("torch.hub", "torch"),
+    CLOUD: ("nemo.utils.cloud", "nemo_toolkit"),
+    CLOUD_BINDING: ("nemo.core.classes.common", "nemo_toolkit"),
+    MEGATRON: ("nemo.collections.common.tokenizers.megatron_utils", "nemo_toolkit"),
 }
 #: The releases nemo_safe's patches were verified against (README).
 SUPPORTED = {
@@ -107,7 +113,7 @@ def load_changed(name):
 
 
 def import_libraries():
-    for name in ("torchvision.datasets", "nemo.utils.exp_manager"):
+    for name in ("torchvision.datasets", "nemo.utils.exp_manager", "nemo.collections.common.tokenizers.megatron_utils"):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
 
@@ -171,6 +177,15 @@ def facts():
     hub = sys.modules.get("torch.hub")
     if hub is not None:
         patches["torch-hub-single-flight"] = state([hub.download_url_to_file])
+    cloud = sys.modules.get("nemo.utils.cloud")
+    if cloud is not None:
+        patches["nemo-cloud-single-flight"] = state([cloud.maybe_download_from_cloud])
+    common = sys.modules.get("nemo.core.classes.common")
+    if common is not None and cloud is not None:
+        patches["nemo-cloud-binding-common"] = state([common.maybe_download_from_cloud])
+    megatron = sys.modules.get("nemo.collections.common.tokenizers.megatron_utils")
+    if megatron is not None:
+        patches["nemo-megatron-single-flight"] = state([megatron._download])
     versions = {}
     for dist, top in DISTRIBUTIONS.items():
         try:
@@ -387,6 +402,8 @@ def _check_patch_line(name: str, shown_state: str, text: str, facts: dict, cause
     if shown_state == "ACTIVE":
         if name == BINDINGS:
             assert text.startswith(f"{facts['bound_modules']} dataset modules "), where
+        elif name == CLOUD_BINDING:
+            assert text == f"{module} calls the single-flight maybe_download_from_cloud", where
         else:
             # The release it recognised is the one installed, and what it does is said.
             assert f"{dist} " in text and installed in text, where
@@ -400,6 +417,10 @@ def _check_patch_line(name: str, shown_state: str, text: str, facts: dict, cause
     if name == BINDINGS:
         if not facts["patches"][DOWNLOADS]["in_place"]:
             assert f"{DOWNLOADS} is not in place" in text, where
+        return
+    if name == CLOUD_BINDING:
+        if not facts["patches"].get(CLOUD, {}).get("in_place"):
+            assert f"{CLOUD} is not in place" in text, where
         return
     pristine = facts["modules"][module]["file"] == installed_file(module)
     if pristine and installed in SUPPORTED[dist]:

@@ -35,6 +35,11 @@ class UpstreamPatch:
     #: ``file::name`` of the tests this patch adds that pass on the unpatched release too, on purpose: they check
     #: that behaviour the patch must keep is kept. Every other test it adds must fail unpatched.
     keeps_behaviour: tuple[str, ...] = ()
+    #: The verified releases this patch is for; empty: all of the series' (an older release's code may differ).
+    releases: tuple[str, ...] = ()
+
+    def applies_to(self, version: str) -> bool:
+        return not self.releases or version in self.releases
 
     def message(self, signoff: str, size: str = "") -> str:
         """The commit message: subject, body, the size line ``make_patches`` measured, sign-off."""

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 from series import HERE, Series, UpstreamPatch, _copy_tests
-from source_edit import EditError, insert_before_def, overlay_file, replace_once
+from source_edit import EditError, definitions, insert_before_def, overlay_file, replace_function, replace_once
 
 # --------------------------------------------------------------------------------------------- NeMo
 
@@ -306,6 +306,72 @@ nemo_toolkit 3.0.0 and 2.7.3.
 """
 
 
+#: PR 3: what nemo_safe/patches/nemo_downloads_upstream.py holds (cloud.py gets the helpers and the function,
+#: megatron_utils.py its _download).
+DOWNLOADS_UPSTREAM = "patches.nemo_downloads_upstream"
+
+
+def _nemo_atomic_downloads(tree: Path) -> None:
+    cloud = tree / "nemo/utils/cloud.py"
+    insert_before_def(
+        cloud, "maybe_download_from_cloud", definitions(DOWNLOADS_UPSTREAM, ("_partial_path", "download_atomically"))
+    )
+    replace_function(
+        cloud, "maybe_download_from_cloud", definitions(DOWNLOADS_UPSTREAM, ("maybe_download_from_cloud",))
+    )
+    replace_once(cloud, "import urllib.request\n", "import urllib.request\nimport uuid\n")
+    megatron = tree / "nemo/collections/common/tokenizers/megatron_utils.py"
+    replace_function(megatron, "_download", definitions(DOWNLOADS_UPSTREAM, ("_download",)))
+    replace_once(megatron, "import shutil\nimport urllib.request\n", "")
+    replace_once(
+        megatron,
+        "from nemo.utils import logging\n",
+        "from nemo.utils import logging\nfrom nemo.utils.cloud import download_atomically\n",
+    )
+    _copy_tests("nemo", tree, "tests/utils/test_cloud_download.py")
+
+
+DOWNLOADS_MESSAGE = """
+Both write a download straight into a name other processes use:
+
+- maybe_download_from_cloud() (ModelPT.from_pretrained of an NGC model)
+  re-uses any file it finds at the destination and urlretrieve()s into
+  the destination itself. Every rank of a job builds its model; a rank
+  that starts while another downloads re-uses the partial file and fails
+  restoring a truncated .nemo archive, and a download that breaks off
+  leaves the truncated file for every later call. refresh_cache=True
+  deletes the file and downloads into its name again: a rank that starts
+  meanwhile re-uses that partial file too.
+- megatron_utils._download() is rank-gated only once torch.distributed is
+  initialized. Tokenizers are built before that (model construction), so
+  every rank downloads into the same path + ".tmp" and moves it; the
+  second to finish finds it gone and raises FileNotFoundError (#12420,
+  closed as stale; workaround: pre-fill MEGATRON_CACHE).
+
+Download into a temporary name of the calling process in the same
+directory and publish it with os.replace() (download_atomically() in
+nemo/utils/cloud.py): the final name holds a complete file or none, and
+concurrent downloads never share a file. A refresh replaces the old file
+whole instead of deleting it first (its "Deleting file" log line goes).
+Nothing else changes: the retries, the other log lines, the return
+values, the rank gate and barrier once torch.distributed exists. Several
+ranks may still download the same file at once; each gets a complete one.
+
+Tested: tests/utils/test_cloud_download.py against a local HTTP server.
+test_broken_download_leaves_no_file_to_reuse breaks every response off
+halfway and requires ValueError after the three attempts with nothing
+left in the cache folder (before this change a half-size model.nemo stays
+and is re-used by the next call); test_megatron_download_twice_at_once
+_before_distributed runs two _download() calls of one file in two threads
+(the server sends it in 0.1 s chunks) and requires both to succeed with
+one complete file (before this change one raises FileNotFoundError);
+test_download_and_reuse (download, re-use, refresh) passes before and
+after. Together under 5 s after NeMo's import, CPU only. Verified on
+nemo_toolkit 3.0.0; 2.x downloads with wget.download() instead of
+urllib, so the change does not apply there as is.
+"""
+
+
 NEMO = Series(
     project="nemo",
     distribution="nemo_toolkit",
@@ -318,7 +384,12 @@ NEMO = Series(
     # restore_from() accepts only under its allowed "tests.core." prefix (3.0.0's wheel ships no tests/).
     upstream_files=tuple(
         (path, "nemo_toolkit", "2.7.3")
-        for path in ("tests/__init__.py", "tests/core/__init__.py", "tests/core/test_exp_manager.py")
+        for path in (
+            "tests/__init__.py",
+            "tests/core/__init__.py",
+            "tests/core/test_exp_manager.py",
+            "tests/utils/__init__.py",
+        )
     ),
     patches=(
         UpstreamPatch(
@@ -406,6 +477,20 @@ pass after it, on nemo_toolkit 3.0.0 and 2.7.3.
             keeps_behaviour=(
                 "tests/core/test_exp_manager.py::TestExpManager::test_resume_order_two_ranks_not_sharing_the_folder",
             ),
+        ),
+        UpstreamPatch(
+            "cloud-atomic-downloads",
+            "utils: download through a temporary name and os.replace, so that no process uses a partial file",
+            DOWNLOADS_MESSAGE,
+            _nemo_atomic_downloads,
+            tests=("tests/utils/test_cloud_download.py",),
+            race_tests=(
+                "tests/utils/test_cloud_download.py::test_broken_download_leaves_no_file_to_reuse",
+                "tests/utils/test_cloud_download.py::test_megatron_download_twice_at_once_before_distributed",
+            ),
+            keeps_behaviour=("tests/utils/test_cloud_download.py::test_download_and_reuse",),
+            # 2.x downloads with wget.download(): the change is written against 3.0's urllib code.
+            releases=("3.0.0",),
         ),
     ),
 )

@@ -23,6 +23,11 @@ def _patch(module: str, name: str, implementation: str, apply: str, describe: st
 ALL: tuple[Patch, ...] = (
     _patch("nemo.utils.exp_manager", "nemo-exp-manager-resume", "nemo_exp_manager", "apply", "describe"),
     _patch("nemo.lightning.nemo_logger", "nemo-logger-resume-order", "nemo_logger_order", "apply", "describe"),
+    _patch("nemo.utils.cloud", "nemo-cloud-single-flight", "nemo_downloads", "apply_cloud", "describe_cloud"),
+    _patch("nemo.core.classes.common", "nemo-cloud-binding-common", "nemo_downloads", "apply_cloud_binding",
+           "describe_cloud_binding"),
+    _patch("nemo.collections.common.tokenizers.megatron_utils", "nemo-megatron-single-flight", "nemo_downloads",
+           "apply_megatron", "describe_megatron"),
     _patch("torchvision.datasets.utils", "torchvision-atomic-downloads", "torchvision_downloads", "apply_utils",
            "describe_utils"),
     _patch("torchvision.datasets", "torchvision-download-url-bindings", "torchvision_downloads", "apply_bindings",
