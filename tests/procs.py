@@ -28,6 +28,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def demo_rows(race: str, ranks: int, timeout: float) -> tuple[dict[str, list[str]], str]:
+    """Run ``nemo-safe demo --only race`` with ``ranks`` download ranks: its table's cells by variant (the rows
+    starting "upstream ..." or "with ..."), and its whole output for the assertions' messages."""
+    cli = str(Path(sys.executable).with_name("nemo-safe"))
+    cmd = [cli, "demo", "--only", race, "--download-ranks", str(ranks)]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.stdout.splitlines()
+        if line.startswith(("| upstream", "| with"))
+    }
+    return rows, out.stdout
+
+
 def torchrun_env(rank: int, world: int, run_id: str) -> dict[str, str]:
     return {
         "RANK": str(rank),

@@ -5,13 +5,9 @@ a release's gate declines the patch, the nemo_safe row runs as upstream)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from procs import clean_env
+from procs import demo_rows
 
 pytest.importorskip("nemo")
 
@@ -23,16 +19,8 @@ def test_demo_from_pretrained_race() -> None:
     """4 ranks (each imports NeMo: the cheapest that still has waiters): upstream shows the race (a rank restores
     a partial file, or the model is downloaded more than once), with nemo_safe every rank restores the model's
     weights from one download."""
-    nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
-    cmd = [nemo_safe_cli, "demo", "--only", "from_pretrained", "--download-ranks", str(RANKS)]
-    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-        for line in out.stdout.splitlines()
-        if line.startswith(("| upstream", "| with"))
-    }
+    rows, output = demo_rows("from_pretrained", RANKS, HANG_GUARD)
     failed, other_weights, downloads, served, _ = rows["with nemo_safe"]
-    assert (failed, other_weights, downloads, served) == (f"0 of {RANKS}", "0", "1", "1.00x"), out.stdout
+    assert (failed, other_weights, downloads, served) == (f"0 of {RANKS}", "0", "1", "1.00x"), output
     failed, _, downloads, _, _ = rows["upstream NeMo"]
-    assert not failed.startswith("0 of") or int(downloads) > 1, out.stdout
+    assert not failed.startswith("0 of") or int(downloads) > 1, output

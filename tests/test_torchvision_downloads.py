@@ -27,7 +27,7 @@ from nemo_safe_tools.download_race import MNIST_FILES, read_results, reference_d
 
 from download_harness import SCRIPT, run_spawn
 from faulty_mirror import Faults, FaultyMirror
-from procs import clean_env, torchrun_env
+from procs import clean_env, demo_rows, torchrun_env
 
 MNIST_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
 HANG_GUARD = 600
@@ -348,17 +348,9 @@ def test_read_only_root(tmp_path: Path, mnist, reference, read_only) -> None:
 
 def test_demo_download_race() -> None:
     """``nemo-safe demo``'s download table: upstream fails by construction, nemo_safe fetches each file once."""
-    nemo_safe_cli = str(Path(sys.executable).with_name("nemo-safe"))
-    cmd = [nemo_safe_cli, "demo", "--only", "download", "--download-ranks", "4"]
-    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=HANG_GUARD)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-        for line in out.stdout.splitlines()
-        if line.startswith(("| upstream", "| with"))
-    }
-    assert rows["with nemo_safe"][:4] == ["0 of 4", "0", "4", "1.00x"], out.stdout
-    assert rows["upstream torchvision"][0] != "0 of 4", out.stdout
+    rows, output = demo_rows("download", 4, HANG_GUARD)
+    assert rows["with nemo_safe"][:4] == ["0 of 4", "0", "4", "1.00x"], output
+    assert rows["upstream torchvision"][0] != "0 of 4", output
 
 
 def _emnist_zip() -> tuple[dict[str, bytes], dict, dict[str, str]]:
